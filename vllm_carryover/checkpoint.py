@@ -1,0 +1,310 @@
+"""Drafter checkpoints: the folder format, its validation against a target, and IO.
+
+A drafter folder is a vLLM DFlash checkpoint (`config.json` with
+`architectures: ["DFlashDraftModel"]`, `model.safetensors` without embeddings or
+LM head) plus, optionally, the carryover weight `rejected_embedding` [hidden] and
+a `carryover_config` block in `config.json` with training metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WEIGHTS_FILE = "model.safetensors"
+REJECTED_EMBEDDING = "rejected_embedding"
+
+
+class CarryoverConfigError(ValueError):
+    """A speculative config or drafter checkpoint that cannot work, with the fix."""
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """The architecture facts of a drafter, read from its `config.json`."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    target_hidden_size: int
+    causal: bool
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> DrafterConfig:
+        dflash = cfg.get("dflash_config") or {}
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        layer_types = cfg.get("layer_types") or []
+        causal = bool(dflash.get("causal", False)) or (
+            bool(layer_types) and all(t == "sliding_attention" for t in layer_types)
+        )
+        return cls(
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 1e6)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            block_size=cfg.get("block_size", 16),
+            mask_token_id=dflash["mask_token_id"],
+            target_layer_ids=tuple(dflash["target_layer_ids"]),
+            target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
+            causal=causal,
+        )
+
+
+def make_config_dict(
+    target_cfg: dict[str, Any],
+    *,
+    num_layers: int,
+    block_size: int,
+    target_layer_ids: list[int],
+    mask_token_id: int,
+    intermediate_size: int | None = None,
+    carryover_meta: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A DFlash `config.json` for a drafter that shares a Llama-like target's shapes."""
+    heads = target_cfg["num_attention_heads"]
+    hidden = target_cfg["hidden_size"]
+    rope_theta = (target_cfg.get("rope_parameters") or {}).get(
+        "rope_theta", target_cfg.get("rope_theta", 10000.0)
+    )
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate_size or target_cfg["intermediate_size"],
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": target_cfg.get("num_key_value_heads", heads),
+        "head_dim": target_cfg.get("head_dim") or hidden // heads,
+        "hidden_act": "silu",
+        "vocab_size": target_cfg["vocab_size"],
+        "rms_norm_eps": target_cfg.get("rms_norm_eps", 1e-5),
+        "rope_theta": rope_theta,
+        "max_position_embeddings": target_cfg.get("max_position_embeddings", 8192),
+        "attention_bias": False,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "block_size": block_size,
+        "layer_types": ["full_attention"] * num_layers,
+        "dflash_config": {
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": list(target_layer_ids),
+            "use_aux_hidden_state": True,
+        },
+        "carryover_config": carryover_meta or {},
+    }
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """Tensor names, dtypes and shapes of a safetensors file, without loading it.
+
+    Raises CarryoverConfigError naming the file when it is truncated or corrupt.
+    """
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len <= 0 or 8 + header_len > size:
+                raise ValueError(f"header length {header_len} exceeds file size {size}")
+            header = json.loads(f.read(header_len))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
+                  default=0)
+        if 8 + header_len + end > size:
+            raise ValueError(f"tensor data ends at byte {8 + header_len + end}, file has {size}")
+    except (struct.error, ValueError, KeyError, TypeError) as e:
+        raise CarryoverConfigError(
+            f"drafter weights file {path} is truncated or corrupt ({e}); "
+            "re-export or re-download the checkpoint"
+        ) from e
+    header.pop("__metadata__", None)
+    return header
+
+
+def _target_dims(target_cfg: Any) -> tuple[int, int, int]:
+    """(hidden size, vocab size, number of layers) of a target HF config."""
+    text = getattr(target_cfg, "get_text_config", lambda: target_cfg)()
+    return text.hidden_size, text.vocab_size, text.num_hidden_layers
+
+
+def validate_drafter(path: str | Path, target_cfg: Any, num_speculative_tokens: int | None
+                     ) -> DrafterConfig:
+    """Check that the drafter folder at `path` can serve `target_cfg`.
+
+    Every failure names the problem and the fix, so that `vllm serve` stops at
+    startup instead of failing inside a worker on the first request.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CarryoverConfigError(
+            f"drafter folder {path} does not exist; pass a local folder made by "
+            "`python -m vllm_carryover.init_drafter` or by `python -m train export`"
+        )
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CarryoverConfigError(f"drafter folder {path} has no config.json")
+    try:
+        raw = json.loads(cfg_file.read_text())
+        drafter = DrafterConfig.from_dict(raw)
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CarryoverConfigError(
+            f"{cfg_file} is not a DFlash drafter config ({type(e).__name__}: {e}); it needs "
+            "hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, "
+            "vocab_size and dflash_config.{mask_token_id,target_layer_ids}"
+        ) from e
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CarryoverConfigError(f"drafter folder {path} has no {WEIGHTS_FILE}")
+    header = read_safetensors_header(weights)
+
+    hidden, vocab, depth = _target_dims(target_cfg)
+    if drafter.target_hidden_size != hidden or drafter.hidden_size != hidden:
+        raise CarryoverConfigError(
+            f"drafter {path} was built for hidden size {drafter.hidden_size} "
+            f"(target features {drafter.target_hidden_size}) but the target's hidden size "
+            f"is {hidden}; use a drafter made for this target"
+        )
+    if drafter.vocab_size != vocab:
+        raise CarryoverConfigError(
+            f"drafter {path} has vocabulary size {drafter.vocab_size} but the target has "
+            f"{vocab}; the drafter must share the target's tokenizer"
+        )
+    bad = [i for i in drafter.target_layer_ids if not 0 <= i < depth - 1]
+    if bad:
+        raise CarryoverConfigError(
+            f"drafter {path} reads target layers {bad}, outside 0..{depth - 2} of a "
+            f"{depth}-layer target; use a drafter made for this target"
+        )
+    if not 0 <= drafter.mask_token_id < vocab:
+        raise CarryoverConfigError(
+            f"drafter {path} has mask_token_id {drafter.mask_token_id} outside the vocabulary"
+        )
+    if drafter.causal:
+        raise CarryoverConfigError(
+            f"drafter {path} is causal; carryover places rejected states after the query "
+            "block, so it needs a non-causal (bidirectional) block drafter"
+        )
+    max_k = drafter.block_size - 1
+    if num_speculative_tokens is not None and not 1 <= num_speculative_tokens <= max_k:
+        raise CarryoverConfigError(
+            f"num_speculative_tokens={num_speculative_tokens} but drafter {path} has "
+            f"block_size {drafter.block_size}, so it drafts at most {max_k} tokens; "
+            f"use 1..{max_k}"
+        )
+    _check_shapes(path, header, drafter)
+    return drafter
+
+
+def expected_shapes(d: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a drafter checkpoint holds, with its shape."""
+    h, hd = d.hidden_size, d.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, d.target_hidden_size * len(d.target_layer_ids)),
+        "hidden_norm.weight": (h,),
+        "norm.weight": (h,),
+    }
+    for i in range(d.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (d.num_attention_heads * hd, h),
+            p + "self_attn.k_proj.weight": (d.num_key_value_heads * hd, h),
+            p + "self_attn.v_proj.weight": (d.num_key_value_heads * hd, h),
+            p + "self_attn.o_proj.weight": (h, d.num_attention_heads * hd),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.gate_proj.weight": (d.intermediate_size, h),
+            p + "mlp.up_proj.weight": (d.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, d.intermediate_size),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+    return shapes
+
+
+def _check_shapes(path: Path, header: dict[str, Any], d: DrafterConfig) -> None:
+    want = expected_shapes(d)
+    missing = sorted(set(want) - set(header))
+    if missing:
+        raise CarryoverConfigError(
+            f"drafter weights {path / WEIGHTS_FILE} lack {len(missing)} tensors "
+            f"(first: {missing[0]}); the file does not match its config.json"
+        )
+    for name, shape in want.items():
+        got = tuple(header[name]["shape"])
+        if got != shape:
+            raise CarryoverConfigError(
+                f"drafter tensor {name} has shape {list(got)} but config.json implies "
+                f"{list(shape)}; the checkpoint does not match its config"
+            )
+    if REJECTED_EMBEDDING in header and tuple(header[REJECTED_EMBEDDING]["shape"]) != (
+        d.hidden_size,
+    ):
+        raise CarryoverConfigError(
+            f"drafter tensor {REJECTED_EMBEDDING} has shape "
+            f"{header[REJECTED_EMBEDDING]['shape']}, expected [{d.hidden_size}]"
+        )
+
+
+def has_rejected_embedding(path: str | Path) -> bool:
+    return REJECTED_EMBEDDING in read_safetensors_header(Path(path) / WEIGHTS_FILE)
+
+
+def random_state_dict(d: DrafterConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A randomly initialised plain DFlash drafter (norms at one, linears scaled by
+    fan-in); it has no rejected embedding, so vLLM's in-tree DFlash loads it too."""
+    gen = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in expected_shapes(d).items():
+        if len(shape) == 1:
+            state[name] = torch.ones(shape)
+        else:
+            state[name] = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+    return state
+
+
+def save_drafter(out_dir: str | Path, config: dict[str, Any],
+                 state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> Path:
+    """Write `config.json` and `model.safetensors` into `out_dir`."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = dict(config, torch_dtype=str(dtype).removeprefix("torch."))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: v.detach().to(dtype).contiguous() for k, v in state.items()},
+              str(out / WEIGHTS_FILE))
+    return out
+
+
+def load_drafter_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config dict, state dict) of a drafter folder; a missing rejected
+    embedding is returned as zeros, as the vLLM loader does."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    state = load_file(str(path / WEIGHTS_FILE))
+    if REJECTED_EMBEDDING not in state:
+        state[REJECTED_EMBEDDING] = torch.zeros(cfg["hidden_size"])
+    return cfg, state

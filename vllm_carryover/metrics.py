@@ -1,0 +1,103 @@
+"""Carryover counters, counted where drafting happens and shown on vLLM's /metrics.
+
+The proposer runs in a worker process; vLLM's Prometheus registry lives in the
+API server process. Each worker keeps its counters in a small memory-mapped
+file under a directory that the main process creates and hands down through
+the environment (children inherit it); a Prometheus collector in the main
+process sums the files. Nothing crosses the engine's own IPC.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ENV_DIR = "VLLM_CARRYOVER_METRICS_DIR"
+
+# name -> help text; the order is the layout of each worker's counter file.
+COUNTERS: dict[str, str] = {
+    "carryover_draft_rounds": "Request-rounds drafted by the carryover proposer.",
+    "carryover_nonempty_slot_rounds": "Request-rounds whose draft attended to a non-empty "
+    "carryover slot.",
+    "carryover_rejected_states": "Rejected target states carried over into a slot.",
+}
+
+
+def metrics_dir(create: bool = False) -> Path | None:
+    """The shared counter directory; the main process creates it once."""
+    path = os.environ.get(ENV_DIR)
+    if path is None and create:
+        path = tempfile.mkdtemp(prefix="vllm-carryover-metrics-")
+        os.environ[ENV_DIR] = path
+        owner = os.getpid()
+        atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, True))
+    return Path(path) if path else None
+
+
+class CarryoverCounters:
+    """Monotonic counters of one worker process, backed by a mapped file."""
+
+    def __init__(self, file: Path | None) -> None:
+        if file is None:
+            self._values = np.zeros(len(COUNTERS), dtype=np.int64)
+        else:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            self._values = np.memmap(file, dtype=np.int64, mode="w+", shape=(len(COUNTERS),))
+
+    @classmethod
+    def for_this_process(cls) -> CarryoverCounters:
+        base = metrics_dir()
+        return cls(base / f"worker-{os.getpid()}.bin" if base else None)
+
+    def record(self, carried: torch.Tensor) -> None:
+        """Count one drafting round; `carried` is the slot size of each request."""
+        c = carried.to("cpu", torch.int64)
+        self._values[0] += c.numel()
+        self._values[1] += int((c > 0).sum())
+        self._values[2] += int(c.sum())
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(zip(COUNTERS, (int(v) for v in self._values), strict=True))
+
+
+def read_counters(base: Path | None = None) -> dict[str, int]:
+    """Sum of all workers' counters (zeros when nothing was recorded)."""
+    base = base or metrics_dir()
+    total = np.zeros(len(COUNTERS), dtype=np.int64)
+    for file in sorted(base.glob("worker-*.bin")) if base and base.is_dir() else []:
+        values = np.fromfile(file, dtype=np.int64)
+        if values.shape == total.shape:
+            total += values
+    return dict(zip(COUNTERS, (int(v) for v in total), strict=True))
+
+
+class _Collector:
+    """Prometheus collector exposing `read_counters()` as `vllm:carryover_*_total`."""
+
+    def collect(self):  # noqa: ANN201 - prometheus_client protocol
+        from prometheus_client.core import CounterMetricFamily
+
+        for name, value in read_counters().items():
+            family = CounterMetricFamily(f"vllm:{name}", COUNTERS[name])
+            family.add_metric([], value)
+            yield family
+
+
+_registered = False
+
+
+def register_prometheus_collector() -> None:
+    """Expose the counters on this process's Prometheus registry (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from prometheus_client import REGISTRY
+
+    REGISTRY.register(_Collector())
+    _registered = True

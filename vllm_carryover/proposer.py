@@ -1,0 +1,98 @@
+"""CarryoverProposer: vLLM's DFlash proposer that keeps rejected target states.
+
+After each verify step vLLM hands the proposer the target's hidden states of
+every verified row, rejected drafts included. DFlash projects them all and then
+lets the next query block overwrite the rejected ones. This proposer marks the
+rejected rows (the drafter adds its rejected embedding to them) and moves the
+query block past them, so the next draft attends to them (see `carryover_slot`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from typing_extensions import override
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from vllm_carryover.carryover_slot import SlotLayout, plan_slots, shift_query_slots
+from vllm_carryover.metrics import CarryoverCounters
+from vllm_carryover.speculative_config import CarryoverSettings
+from vllm_carryover.vllm_drafter import ARCHITECTURE
+
+logger = init_logger(__name__)
+
+
+class CarryoverProposer(DFlashProposer):
+    """DFlash drafting whose next block also attends to the last round's rejected states."""
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner: Any = None):
+        super().__init__(vllm_config, device, runner)
+        self.settings = CarryoverSettings.from_hf_config(self.draft_model_config.hf_config)
+        self.counters = CarryoverCounters.for_this_process()
+        self._layout: SlotLayout | None = None
+        logger.info("Carryover drafting: context from rejected states is %s.",
+                    "on" if self.settings.enabled else "off (matched DFlash baseline)")
+
+    @override
+    def _get_model(self) -> torch.nn.Module:
+        # Worker-local: build our drafter class from the DFlash checkpoint.
+        self.draft_model_config.hf_config.architectures = [ARCHITECTURE]
+        return super()._get_model()
+
+    @override
+    def set_inputs_first_pass(
+        self,
+        target_token_ids: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        cad: CommonAttentionMetadata,
+        num_rejected_tokens_gpu: torch.Tensor | None,
+    ) -> tuple[int, torch.Tensor, CommonAttentionMetadata]:
+        num_query, indices, new_cad = super().set_inputs_first_pass(
+            target_token_ids, next_token_ids, target_positions, target_hidden_states,
+            token_indices_to_sample, cad, num_rejected_tokens_gpu,
+        )
+        self._layout = None
+        if not self.settings.enabled or num_rejected_tokens_gpu is None:
+            return num_query, indices, new_cad
+
+        q = 1 + self.num_speculative_tokens
+        layout = plan_slots(cad.query_start_loc, num_rejected_tokens_gpu,
+                            target_hidden_states.shape[0], self.num_speculative_tokens)
+        self._slot_mapping_buffer[:num_query] = shift_query_slots(
+            self.positions, layout.carried, q, cad.block_table_tensor, self.block_size)
+        # DFlash cut seq_lens by num_rejected; give back the carried part.
+        new_cad.seq_lens = new_cad.seq_lens + layout.carried
+        self._layout = layout
+        self.counters.record(layout.carried)
+        return num_query, indices, new_cad
+
+    @override
+    def build_model_inputs_first_pass(
+        self,
+        num_tokens: int,
+        num_input_tokens: int,
+        mm_embed_inputs: Any,
+    ) -> tuple[dict[str, Any], int]:
+        num_context = self._dflash_num_context
+        rejected = self._layout.rejected_rows if self._layout is not None else None
+        self.model.precompute_and_store_context_kv(
+            self._dflash_hidden_states,
+            self._context_positions_buffer[:num_context],
+            self._context_slot_mapping_buffer[:num_context],
+            rejected,
+        )
+        return (
+            dict(
+                input_ids=self.input_ids[:num_input_tokens],
+                positions=self._get_positions(num_input_tokens),
+                inputs_embeds=None,
+            ),
+            num_input_tokens,
+        )

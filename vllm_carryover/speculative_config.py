@@ -1,0 +1,102 @@
+"""`method: "carryover"` in a vLLM speculative config: keys, validation, translation.
+
+vLLM's `SpeculativeConfig.method` is a closed Literal, so a carryover config is
+validated here and handed to vLLM as a DFlash config; the carryover settings
+ride along on the drafter's `hf_config` (pickled to every worker with it), where
+the proposer reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from vllm_carryover.checkpoint import CarryoverConfigError, validate_drafter
+
+METHOD = "carryover"
+HF_ATTR = "carryover_runtime"
+
+# Our own keys, with their meaning (shown in errors and the README).
+CARRYOVER_KEYS: dict[str, str] = {
+    "carryover": "true (default): the next draft attends to the rejected states of "
+    "the last verify step; false: plain DFlash drafting on the same weights",
+}
+# vLLM's keys that make sense for a carryover drafter.
+VLLM_KEYS: tuple[str, ...] = (
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "num_speculative_tokens_per_batch_size",
+    "draft_tensor_parallel_size",
+    "max_model_len",
+    "revision",
+    "attention_backend",
+    "draft_sample_method",
+    "rejection_sample_method",
+    "disable_padded_drafter_batch",
+    "disable_eagle_block_drop",
+    "enforce_eager",
+)
+ALLOWED_KEYS: tuple[str, ...] = VLLM_KEYS + tuple(CARRYOVER_KEYS)
+
+
+@dataclass(frozen=True)
+class CarryoverSettings:
+    """What the proposer needs to know beyond vLLM's DFlash settings."""
+
+    enabled: bool = True
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> CarryoverSettings:
+        return cls(**(getattr(hf_config, HF_ATTR, None) or {}))
+
+
+def is_carryover(spec: dict[str, Any] | None) -> bool:
+    return isinstance(spec, dict) and spec.get("method") == METHOD
+
+
+def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, Any],
+                                                                     CarryoverSettings]:
+    """Validate a carryover speculative config; return vLLM's DFlash config + settings.
+
+    Raises CarryoverConfigError with the cause and the fix.
+    """
+    spec = {k.replace("-", "_"): v for k, v in spec.items()}
+    unknown = sorted(set(spec) - set(ALLOWED_KEYS))
+    if unknown:
+        raise CarryoverConfigError(
+            f"unknown key(s) {unknown} in the carryover speculative config; "
+            f"allowed keys: {', '.join(ALLOWED_KEYS)}"
+        )
+    enabled = spec.pop("carryover", True)
+    if not isinstance(enabled, bool):
+        raise CarryoverConfigError(
+            f"'carryover' must be true or false, got {enabled!r}")
+    if spec.get("disable_padded_drafter_batch"):
+        raise CarryoverConfigError(
+            "carryover needs vLLM's padded drafter batch, where rejected rows reach the "
+            "drafter; remove 'disable_padded_drafter_batch'")
+    model = spec.get("model")
+    if not isinstance(model, str) or not model:
+        raise CarryoverConfigError(
+            "the carryover speculative config needs 'model': the path of a drafter folder")
+    k = spec.get("num_speculative_tokens")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+        raise CarryoverConfigError(
+            f"'num_speculative_tokens' must be an integer, got {k!r}")
+    drafter = validate_drafter(model, target_hf_config, k)
+    if k is None:
+        spec["num_speculative_tokens"] = drafter.block_size - 1
+    spec["method"] = "dflash"
+    return spec, CarryoverSettings(enabled=enabled)
+
+
+def attach(spec_config: Any, settings: CarryoverSettings) -> None:
+    """Store the settings on the drafter's hf_config, which reaches every worker."""
+    setattr(spec_config.draft_model_config.hf_config, HF_ATTR, asdict(settings))
+
+
+def wants_carryover(vllm_config: Any) -> bool:
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None)
+    return draft is not None and getattr(draft.hf_config, HF_ATTR, None) is not None

@@ -1,0 +1,112 @@
+"""The drafter as a vLLM model: vLLM's DFlash drafter plus the rejected-state path.
+
+The query side (bonus + mask tokens through the drafter layers) is vLLM's
+DFlash code unchanged. The context side is replaced by `kernels.project_context_kv`,
+which also serves rejected states: they get the learned `rejected_embedding`
+added after the hidden norm. The proposer decides which rows are rejected and
+where their K/V go in the paged cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
+
+from kernels import ContextProjectionWeights, project_context_kv
+from vllm_carryover.checkpoint import REJECTED_EMBEDDING
+
+logger = init_logger(__name__)
+
+ARCHITECTURE = "CarryoverDraftModel"
+
+
+class CarryoverDFlashModel(DFlashQwen3Model):
+    """DFlash drafter body with one extra parameter: the rejected-state embedding."""
+
+    def __init__(self, *, vllm_config: VllmConfig, start_layer_id: int = 0,
+                 prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, start_layer_id=start_layer_id,
+                         prefix=prefix)
+        self.rejected_embedding = nn.Parameter(
+            torch.zeros(self.config.hidden_size, dtype=vllm_config.model_config.dtype),
+            requires_grad=False,
+        )
+        self._projection: ContextProjectionWeights | None = None
+
+    def _build_fused_kv_buffers(self) -> None:
+        super()._build_fused_kv_buffers()
+        if self._fused_kv_weight is None:
+            raise NotImplementedError("carryover drafting needs an unquantized drafter")
+        cache = self._rope_cos_sin_cache
+        self._projection = ContextProjectionWeights(
+            hidden_norm_weight=self._hidden_norm_weight,
+            rejected_embedding=self.rejected_embedding.data,
+            kv_weight=self._fused_kv_weight,
+            kv_bias=self._fused_kv_bias,
+            k_norm_weight=self._k_norm_weights,
+            cos_sin_cache=cache,
+            num_layers=self._num_attn_layers,
+            num_kv_heads=self._num_kv_heads,
+            head_dim=self._head_dim,
+            eps=self._rms_norm_eps,
+            is_neox_style=self._rope_is_neox,
+        )
+
+    def precompute_and_store_context_kv(
+        self,
+        context_states: torch.Tensor,
+        context_positions: torch.Tensor,
+        context_slot_mapping: torch.Tensor | None = None,
+        rejected_rows: torch.Tensor | None = None,
+    ) -> None:
+        """Project context states (committed and rejected) and write their K/V."""
+        if self._projection is None:
+            self._build_fused_kv_buffers()
+        assert self._projection is not None
+        k, v = project_context_kv(context_states, context_positions, rejected_rows,
+                                  self._projection)
+        if context_slot_mapping is None:
+            return
+        v_scale = getattr(self.layers[0].self_attn, "v_scale", None)
+        if v_scale is not None:
+            v = v * v_scale
+        for i, attn in enumerate(self._attn_layers):
+            attn.impl.do_kv_cache_update(attn, k[i], v[i], attn.kv_cache,
+                                         context_slot_mapping)
+
+
+class CarryoverDraftModel(DFlashQwen3ForCausalLM):
+    """Registered with vLLM as `CarryoverDraftModel`; loads DFlash checkpoints too."""
+
+    model_cls = CarryoverDFlashModel
+
+    def precompute_and_store_context_kv(
+        self,
+        context_states: torch.Tensor,
+        context_positions: torch.Tensor,
+        context_slot_mapping: torch.Tensor | None = None,
+        rejected_rows: torch.Tensor | None = None,
+    ) -> None:
+        self.model.precompute_and_store_context_kv(
+            context_states, context_positions, context_slot_mapping, rejected_rows
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        found = False
+        rest = []
+        for name, tensor in weights:
+            if name.endswith(REJECTED_EMBEDDING):
+                self.model.rejected_embedding.data.copy_(tensor.reshape(-1))
+                found = True
+            else:
+                rest.append((name, tensor))
+        if not found:
+            logger.info(
+                "Drafter checkpoint has no %s: it starts at zero, so rejected states "
+                "enter the drafter unmarked (a plain DFlash checkpoint).", REJECTED_EMBEDDING)
+        super().load_weights(rest)
