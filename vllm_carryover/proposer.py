@@ -19,6 +19,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_carryover.carryover_slot import SlotLayout, plan_slots, shift_query_slots
+from vllm_carryover.draft_trace import DraftTrace
 from vllm_carryover.metrics import CarryoverCounters
 from vllm_carryover.speculative_config import CarryoverSettings
 from vllm_carryover.vllm_drafter import ARCHITECTURE
@@ -34,6 +35,8 @@ class CarryoverProposer(DFlashProposer):
         self.settings = CarryoverSettings.from_hf_config(self.draft_model_config.hf_config)
         self.counters = CarryoverCounters.for_this_process()
         self._layout: SlotLayout | None = None
+        self.trace = DraftTrace.from_env()
+        self._runner = runner  # for request ids in traces
         logger.info("Carryover drafting: context from rejected states is %s.",
                     "on" if self.settings.enabled else "off (matched DFlash baseline)")
 
@@ -59,6 +62,19 @@ class CarryoverProposer(DFlashProposer):
             token_indices_to_sample, cad, num_rejected_tokens_gpu,
         )
         self._layout = None
+        if self.trace is not None:
+            batch = cad.batch_size()
+            self.trace.begin(
+                req_ids=list(self._runner.input_batch.req_ids[:batch]),
+                query_start_loc=cad.query_start_loc[: batch + 1],
+                positions=target_positions[: target_hidden_states.shape[0]],
+                states=target_hidden_states,
+                num_rejected=(num_rejected_tokens_gpu if num_rejected_tokens_gpu is not None
+                              else torch.zeros(batch, dtype=torch.int32)),
+                next_token_ids=next_token_ids[:batch],
+                query_positions=self.positions[:num_query],
+                carryover=torch.tensor(self.settings.enabled),
+            )
         if not self.settings.enabled or num_rejected_tokens_gpu is None:
             return num_query, indices, new_cad
 
@@ -96,3 +112,10 @@ class CarryoverProposer(DFlashProposer):
             ),
             num_input_tokens,
         )
+
+    @override
+    def _sample_draft_tokens(self, hidden_states: torch.Tensor,
+                             sampling_metadata: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.trace is not None:
+            self.trace.finish(self.model.compute_logits(hidden_states))
+        return super()._sample_draft_tokens(hidden_states, sampling_metadata)

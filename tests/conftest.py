@@ -1,0 +1,35 @@
+"""Shared fixtures: the SmolLM2 target, a random carryover drafter, free ports."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct as a local HF folder (30 layers, hidden 576)."""
+    from vllm_carryover.testbed import smollm2_path
+
+    return smollm2_path()
+
+
+@pytest.fixture(scope="session")
+def random_drafter(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 1-layer carryover drafter for SmolLM2 (block size 8, seed 0).
+
+    Shared by the session: copy it before changing it.
+    """
+    from vllm_carryover.init_drafter import init_drafter
+
+    out = tmp_path_factory.mktemp("random_drafter")
+    return init_drafter(smollm2, out, num_layers=1, block_size=8, seed=0)

@@ -1,0 +1,63 @@
+"""Run one offline vLLM generation in a fresh process and write its results as JSON.
+
+Tests start engines through this script (`python tests/engine_job.py IN.json
+OUT.json`) so that every engine gets a clean process, as vLLM expects.
+Input keys: model, prompts (list of token-id lists), max_tokens, engine (extra
+LLM kwargs, e.g. speculative_config), temperature, seed.
+Output keys: token_ids, logprobs (top-2 per step, greedy runs), spec (vLLM's
+spec-decode counters), carryover (our counters), seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def spec_counters(llm) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode") and hasattr(m, "value"):
+            out[m.name.removeprefix("vllm:")] = m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out["accepted_per_pos"] = list(m.values)
+    return out
+
+
+def top2(step: dict) -> list[float]:
+    """The two highest logprobs of one decoding step."""
+    return sorted((lp.logprob for lp in step.values()), reverse=True)[:2]
+
+
+def main() -> None:
+    job = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+
+    from vllm_carryover.metrics import read_counters
+
+    engine = dict(dtype="float32", enforce_eager=True, max_model_len=1024,
+                  kv_cache_memory_bytes=1 << 30, disable_log_stats=False,
+                  skip_tokenizer_init=True)
+    engine.update(job.get("engine", {}))
+    llm = LLM(model=job["model"], **engine)
+    params = SamplingParams(temperature=job.get("temperature", 0.0), seed=job.get("seed"),
+                            max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False,
+                            logprobs=2 if job.get("temperature", 0.0) == 0 else None)
+    prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    result = {
+        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+        "logprobs": [[top2(step) for step in (o.outputs[0].logprobs or [])]
+                     for o in outputs],
+        "spec": spec_counters(llm),
+        "carryover": read_counters(),
+        "seconds": seconds,
+    }
+    json.dump(result, open(sys.argv[2], "w"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""`vllm serve` with a carryover drafter: chat completions and /metrics, end to end.
+
+One server for the whole module (an engine start costs ~45 s on CPU). The drafter
+is random, so nearly every draft is rejected and carried over: the carryover
+counters must move, and greedy output must not depend on streaming.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import free_port
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from vllm_carryover.metrics import ENV_DIR
+
+NUM_SPECULATIVE_TOKENS = 4
+STARTUP_TIMEOUT_S = 240
+SPEC_DECODE_DRAFTS = "vllm:spec_decode_num_drafts_total"
+DRAFT_ROUNDS = "vllm:carryover_draft_rounds_total"
+NONEMPTY_SLOT_ROUNDS = "vllm:carryover_nonempty_slot_rounds_total"
+REJECTED_STATES = "vllm:carryover_rejected_states_total"
+CARRYOVER_COUNTERS = (DRAFT_ROUNDS, NONEMPTY_SLOT_ROUNDS, REJECTED_STATES)
+MESSAGES = [{"role": "user",
+             "content": "Name three primary colors and describe each in one sentence."}]
+
+
+@dataclass(frozen=True)
+class Server:
+    base_url: str
+    model: str
+    log: Path
+    client: OpenAI
+
+
+def log_tail(log: Path, chars: int = 4000) -> str:
+    return log.read_text(errors="replace")[-chars:] if log.exists() else "(no log)"
+
+
+def wait_until_healthy(proc: subprocess.Popen, base_url: str, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm serve exited with {proc.returncode} during startup:\n"
+                        f"{log_tail(log)}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"vllm serve not healthy after {STARTUP_TIMEOUT_S} s:\n{log_tail(log)}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (clean exit), then SIGKILL what is left."""
+    for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+    try:  # the leader is gone; children may linger in its group
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def server(smollm2: Path, random_drafter: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm_serve") / "serve.log"
+    spec = {"method": "carryover", "model": str(random_drafter),
+            "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+    command = [
+        "vllm", "serve", str(smollm2), "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+        "--kv-cache-memory-bytes", str(1 << 30), "--speculative-config", json.dumps(spec),
+    ]
+    # The server must create its own counter directory, not reuse one that an
+    # in-process test left in this process's environment.
+    env = {k: v for k, v in os.environ.items() if k != ENV_DIR}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(proc, base_url, log)
+        client = OpenAI(base_url=f"{base_url}/v1", api_key="x", timeout=120,
+                        max_retries=0, http_client=httpx.Client(trust_env=False))
+        yield Server(base_url, str(smollm2), log, client)
+    finally:
+        stop(proc)
+
+
+def chat(server: Server, max_tokens: int = 32) -> str:
+    response = server.client.chat.completions.create(
+        model=server.model, messages=MESSAGES, temperature=0, max_tokens=max_tokens)
+    return response.choices[0].message.content or ""
+
+
+def chat_streamed(server: Server, max_tokens: int = 32) -> str:
+    stream = server.client.chat.completions.create(
+        model=server.model, messages=MESSAGES, temperature=0, max_tokens=max_tokens,
+        stream=True)
+    return "".join(chunk.choices[0].delta.content or ""
+                   for chunk in stream if chunk.choices)
+
+
+def scrape(server: Server) -> dict[str, float]:
+    """Every sample on /metrics, summed over labels, by sample name."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10, trust_env=False).text
+    totals: dict[str, float] = defaultdict(float)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] += sample.value
+    return dict(totals)
+
+
+def scrape_until(server: Server, done: Callable[[dict[str, float]], bool],
+                 timeout_s: float = 15) -> dict[str, float]:
+    """Scrape until `done` holds (vLLM's own stats may land a moment after a reply)."""
+    deadline = time.monotonic() + timeout_s
+    metrics = scrape(server)
+    while not done(metrics) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        metrics = scrape(server)
+    return metrics
+
+
+def test_chat_completion_returns_text(server):
+    assert chat(server).strip()
+
+
+def test_streamed_chat_equals_non_streamed_under_greedy_sampling(server):
+    whole = chat(server)
+    streamed = chat_streamed(server)
+    assert whole.strip()
+    assert streamed == whole
+
+
+def test_metrics_show_spec_decode_drafts_and_carryover_counters(server):
+    chat(server)
+    metrics = scrape_until(server, lambda m: m.get(SPEC_DECODE_DRAFTS, 0) > 0)
+    missing = [name for name in (SPEC_DECODE_DRAFTS, *CARRYOVER_COUNTERS)
+               if name not in metrics]
+    assert not missing, f"not on /metrics: {missing}"
+    assert metrics[SPEC_DECODE_DRAFTS] > 0
+    assert metrics[DRAFT_ROUNDS] > 0
+    # A random drafter is almost always wrong: rejected drafts fill the slots.
+    assert metrics[REJECTED_STATES] > 0
+    assert 0 < metrics[NONEMPTY_SLOT_ROUNDS] <= metrics[DRAFT_ROUNDS]
+    assert metrics[REJECTED_STATES] <= NUM_SPECULATIVE_TOKENS * metrics[NONEMPTY_SLOT_ROUNDS]
+
+
+def test_counters_advance_with_each_request(server):
+    counters = (SPEC_DECODE_DRAFTS, DRAFT_ROUNDS, REJECTED_STATES)
+    before = scrape(server)
+    chat(server)
+    after = scrape_until(
+        server, lambda m: all(m.get(c, 0) > before.get(c, 0) for c in counters))
+    for name in counters:
+        assert after.get(name, 0) > before.get(name, 0), name

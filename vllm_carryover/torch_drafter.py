@@ -1,0 +1,169 @@
+"""The drafter in plain PyTorch: same weights and math as the vLLM model.
+
+`train/` trains this module, and the tests use it as the oracle for the vLLM
+path: the draft block's queries attend, non-causally, over explicit
+concatenated K/V (committed context, the block itself, and the carryover slot).
+Embeddings and LM head are the target's own and stay frozen.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import ContextProjectionWeights, apply_rope, project_context_kv_reference, rms_norm
+from vllm_carryover.checkpoint import REJECTED_EMBEDDING, DrafterConfig
+
+
+def rope_cache(head_dim: int, max_position: int, theta: float) -> torch.Tensor:
+    """cos | sin table [max_position, head_dim], as vLLM's rotary embedding builds it."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, d: DrafterConfig) -> None:
+        super().__init__()
+        h, hd = d.hidden_size, d.head_dim
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(h, d.num_attention_heads * hd, bias=False)
+        self.self_attn.k_proj = nn.Linear(h, d.num_key_value_heads * hd, bias=False)
+        self.self_attn.v_proj = nn.Linear(h, d.num_key_value_heads * hd, bias=False)
+        self.self_attn.o_proj = nn.Linear(d.num_attention_heads * hd, h, bias=False)
+        self.self_attn.q_norm = _Weight(hd)
+        self.self_attn.k_norm = _Weight(hd)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(h, d.intermediate_size, bias=False)
+        self.mlp.up_proj = nn.Linear(h, d.intermediate_size, bias=False)
+        self.mlp.down_proj = nn.Linear(d.intermediate_size, h, bias=False)
+        self.input_layernorm = _Weight(h)
+        self.post_attention_layernorm = _Weight(h)
+
+
+class _Weight(nn.Module):
+    """An RMSNorm weight holder, named like the checkpoint's `*.weight`."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+
+
+class TorchDrafter(nn.Module):
+    def __init__(self, d: DrafterConfig, embed_weight: torch.Tensor,
+                 lm_head_weight: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = d
+        n_feat = len(d.target_layer_ids)
+        self.fc = nn.Linear(d.target_hidden_size * n_feat, d.hidden_size, bias=False)
+        self.hidden_norm = _Weight(d.hidden_size)
+        self.norm = _Weight(d.hidden_size)
+        self.layers = nn.ModuleList(DraftLayer(d) for _ in range(d.num_hidden_layers))
+        self.rejected_embedding = nn.Parameter(torch.zeros(d.hidden_size))
+        self.register_buffer("embed", embed_weight.detach(), persistent=False)
+        head = lm_head_weight if lm_head_weight is not None else embed_weight
+        self.register_buffer("lm_head", head.detach(), persistent=False)
+        self.register_buffer(
+            "cos_sin", rope_cache(d.head_dim, d.max_position_embeddings, d.rope_theta),
+            persistent=False)
+
+    def load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a drafter checkpoint's tensors (a missing rejected embedding is zero)."""
+        state = dict(state)
+        state.setdefault(REJECTED_EMBEDDING, torch.zeros(self.config.hidden_size))
+        self.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.state_dict().items()}
+
+    def projection_weights(self) -> ContextProjectionWeights:
+        d = self.config
+        kv = [torch.cat([lay.self_attn.k_proj.weight, lay.self_attn.v_proj.weight])
+              for lay in self.layers]
+        return ContextProjectionWeights(
+            hidden_norm_weight=self.hidden_norm.weight,
+            rejected_embedding=self.rejected_embedding,
+            kv_weight=torch.cat(kv),
+            kv_bias=None,
+            k_norm_weight=torch.stack([lay.self_attn.k_norm.weight for lay in self.layers]),
+            cos_sin_cache=self.cos_sin,
+            num_layers=d.num_hidden_layers,
+            num_kv_heads=d.num_key_value_heads,
+            head_dim=d.head_dim,
+            eps=d.rms_norm_eps,
+        )
+
+    def fuse(self, aux_states: torch.Tensor) -> torch.Tensor:
+        """Target aux-layer states [..., n_layers * H_target] -> fused context states."""
+        return self.fc(aux_states)
+
+    def context_kv(self, fused: torch.Tensor, positions: torch.Tensor,
+                   rejected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [layers, N, kv_heads, hd] of context rows (rejected rows marked)."""
+        return project_context_kv_reference(fused, positions, rejected,
+                                            self.projection_weights())
+
+    def forward(self, query_ids: torch.Tensor, query_pos: torch.Tensor,
+                ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+                ctx_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, Q, V] of query blocks [B, Q] over context K/V [L, B, S, kv, hd].
+
+        Each query attends to every unmasked context key of its own row and to
+        every key of its own block (non-causal). `ctx_mask` [B, S] (or [B, Q, S])
+        is True where a key is visible.
+        """
+        d = self.config
+        b, q = query_ids.shape
+        s = ctx_k.shape[2]
+        x = F.embedding(query_ids, self.embed).float()
+        visible = torch.ones(b, q, s + q, dtype=torch.bool, device=x.device)
+        if ctx_mask is not None:
+            cm = ctx_mask if ctx_mask.dim() == 3 else ctx_mask[:, None, :].expand(b, q, s)
+            visible[:, :, :s] = cm
+        bias = torch.zeros(visible.shape, dtype=x.dtype, device=x.device)
+        bias = bias.masked_fill(~visible, float("-inf"))[:, None]  # [B, 1, Q, S+Q]
+        group = d.num_attention_heads // d.num_key_value_heads
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            h = rms_norm(x, layer.input_layernorm.weight, d.rms_norm_eps)
+            qh = a.q_proj(h).view(b, q, d.num_attention_heads, d.head_dim)
+            kh = a.k_proj(h).view(b, q, d.num_key_value_heads, d.head_dim)
+            vh = a.v_proj(h).view(b, q, d.num_key_value_heads, d.head_dim)
+            qh = self._rope(rms_norm(qh, a.q_norm.weight, d.rms_norm_eps), query_pos)
+            kh = self._rope(rms_norm(kh, a.k_norm.weight, d.rms_norm_eps), query_pos)
+            keys = torch.cat([ctx_k[i], kh], dim=1).transpose(1, 2)  # [B, kv, S+Q, hd]
+            vals = torch.cat([ctx_v[i], vh], dim=1).transpose(1, 2)
+            keys = keys.repeat_interleave(group, dim=1)
+            vals = vals.repeat_interleave(group, dim=1)
+            scores = qh.transpose(1, 2) @ keys.transpose(-1, -2) / math.sqrt(d.head_dim)
+            attn = torch.softmax(scores + bias, dim=-1) @ vals  # [B, heads, Q, hd]
+            x = x + a.o_proj(attn.transpose(1, 2).reshape(b, q, -1))
+            h = rms_norm(x, layer.post_attention_layernorm.weight, d.rms_norm_eps)
+            x = x + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(h)) * layer.mlp.up_proj(h))
+        x = rms_norm(x, self.norm.weight, d.rms_norm_eps)
+        return x @ self.lm_head.T.float()
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, *x.shape[2:])
+        return apply_rope(flat, pos.reshape(-1), self.cos_sin, True).view_as(x)
+
+    def draft_logits(self, fused_ctx: torch.Tensor, ctx_pos: torch.Tensor,
+                     bonus_token: int, block_start: int, num_draft: int,
+                     slot_states: torch.Tensor | None = None,
+                     slot_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [num_draft, V] of one request's next block, as the proposer drafts it.
+
+        Keys: committed context, then the carried-over (rejected) states, if any.
+        """
+        k, v = self.context_kv(fused_ctx, ctx_pos)
+        if slot_states is not None and slot_states.shape[0] > 0:
+            assert slot_pos is not None
+            sk, sv = self.context_kv(slot_states, slot_pos,
+                                     torch.ones(slot_states.shape[0], dtype=torch.bool))
+            k, v = torch.cat([k, sk], dim=1), torch.cat([v, sv], dim=1)
+        ids = torch.tensor([[bonus_token] + [self.config.mask_token_id] * num_draft])
+        pos = torch.arange(block_start, block_start + num_draft + 1)[None]
+        return self(ids, pos, k[:, None], v[:, None])[0, 1:]
