@@ -30,13 +30,18 @@ COUNTERS: dict[str, str] = {
 
 
 def metrics_dir(create: bool = False) -> Path | None:
-    """The shared counter directory; the main process creates it once."""
-    path = os.environ.get(ENV_DIR)
-    if path is None and create:
+    """The counter directory of the current engine.
+
+    `create=True` (the process that builds an engine config) always makes a new
+    one, so an engine never adds up the stale files of an earlier engine whose
+    directory it inherited; its workers inherit the new one.
+    """
+    if create:
         path = tempfile.mkdtemp(prefix="vllm-carryover-metrics-")
         os.environ[ENV_DIR] = path
         owner = os.getpid()
         atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, True))
+    path = os.environ.get(ENV_DIR)
     return Path(path) if path else None
 
 

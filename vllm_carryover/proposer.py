@@ -24,7 +24,7 @@ from vllm_carryover.metrics import CarryoverCounters
 from vllm_carryover.speculative_config import CarryoverSettings
 from vllm_carryover.vllm_drafter import ARCHITECTURE
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
 
 
 class CarryoverProposer(DFlashProposer):

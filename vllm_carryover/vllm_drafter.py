@@ -20,7 +20,7 @@ from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFla
 from kernels import ContextProjectionWeights, project_context_kv
 from vllm_carryover.checkpoint import REJECTED_EMBEDDING
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
 
 ARCHITECTURE = "CarryoverDraftModel"
 

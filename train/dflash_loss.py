@@ -1,0 +1,107 @@
+"""DFlash block training: anchor sampling, block inputs, context mask, weighted CE.
+
+An anchor p opens the block `[token at p, MASK x (B-1)]` at positions p..p+B-1,
+exactly like an inference round whose bonus token sits at p: the block sees the
+target's context states at positions < p (committed context) and, non-causally,
+itself. Block slot j (1..B-1) is trained to predict the true token at p + j,
+weighted by exp(-(j-1)/gamma). These helpers are shared with carryover training.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+
+
+@dataclass
+class Blocks:
+    """Draft blocks of one sequence: A anchors, Q = block size queries each."""
+
+    anchors: torch.Tensor  # [A]
+    query_ids: torch.Tensor  # [A, Q]: token at anchor, then mask ids
+    query_pos: torch.Tensor  # [A, Q]: anchor .. anchor + Q - 1
+    labels: torch.Tensor  # [A, Q - 1]: true tokens at anchor + 1.., IGNORE past the end
+    ctx_mask: torch.Tensor  # [A, S]: context position s visible iff s < anchor
+
+
+def sample_anchors(lo: int, hi: int, num: int, gen: torch.Generator) -> torch.Tensor:
+    """Up to `num` distinct anchor positions in [lo, hi) (all of them if fewer)."""
+    n = hi - lo
+    if n <= 0:
+        return torch.empty(0, dtype=torch.long)
+    if n <= num:
+        return torch.arange(lo, hi)
+    return (torch.randperm(n, generator=gen)[:num] + lo).sort().values
+
+
+def make_blocks(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                mask_token_id: int, num_ctx: int | None = None) -> Blocks:
+    """Block inputs, labels and committed-context mask for anchors in `tokens` [T]."""
+    t = tokens.shape[0]
+    offs = torch.arange(block_size)
+    pos = anchors[:, None] + offs[None]  # [A, Q]
+    ids = torch.full_like(pos, mask_token_id)
+    ids[:, 0] = tokens[anchors]
+    lab_pos = pos[:, 1:]
+    labels = torch.where(lab_pos < t, tokens[lab_pos.clamp(max=t - 1)],
+                         torch.full_like(lab_pos, IGNORE))
+    s = t if num_ctx is None else num_ctx
+    ctx_mask = torch.arange(s)[None, :] < anchors[:, None]
+    return Blocks(anchors, ids, pos, labels, ctx_mask)
+
+
+def slot_weights(num_slots: int, gamma: float) -> torch.Tensor:
+    """exp(-(j-1)/gamma) for block slots j = 1..num_slots."""
+    return torch.exp(-torch.arange(num_slots, dtype=torch.float) / gamma)
+
+
+def weighted_block_ce(logits: torch.Tensor, labels: torch.Tensor,
+                      weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted mean CE, per-slot weight sum) of draft logits [A, K, V] vs labels [A, K]."""
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                         reduction="none").view(labels.shape)
+    w = weights.to(ce.device)[None, :] * (labels != IGNORE)
+    return (ce * w).sum() / w.sum().clamp(min=1e-6), w.sum(0)
+
+
+@dataclass
+class BlockStats:
+    """Top-1 accuracy per block slot and the acceptance length it implies."""
+
+    correct: torch.Tensor  # [K]
+    total: torch.Tensor  # [K]
+    accepted: float = 0.0  # sum over blocks of the accepted prefix length
+    blocks: int = 0
+
+    @classmethod
+    def empty(cls, k: int) -> BlockStats:
+        return cls(torch.zeros(k), torch.zeros(k))
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        ok = (logits.argmax(-1) == labels) & (labels != IGNORE)
+        self.correct += ok.sum(0).float()
+        self.total += (labels != IGNORE).sum(0).float()
+        full = (labels != IGNORE).all(-1)
+        self.accepted += float(ok[full].int().cumprod(-1).sum())
+        self.blocks += int(full.sum())
+
+    def accuracy(self) -> list[float]:
+        return [round(float(c / max(n, 1)), 4) for c, n in
+                zip(self.correct, self.total, strict=True)]
+
+    def tau(self) -> float:
+        """Greedy acceptance length 1 + E[accepted prefix] (full blocks only)."""
+        return 1.0 + self.accepted / max(self.blocks, 1)
+
+
+def cosine_lr(step: int, total: int, warmup: int, peak: float, floor: float = 0.05) -> float:
+    """Linear warmup then cosine decay to `floor * peak`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))

@@ -1,0 +1,33 @@
+"""Export a trained run as a servable drafter folder (bf16 DFlash checkpoint)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+import torch
+
+from vllm_carryover.checkpoint import save_drafter, validate_drafter
+
+
+def export(run_file: Path, out: Path, target: str) -> Path:
+    """Write `config.json` (with `carryover_config` training metadata) and bf16 weights."""
+    saved = torch.load(run_file)
+    meta = dict(saved["meta"])
+    meta.pop("evals", None)
+    meta["date"] = datetime.date.today().isoformat()
+    meta["target"] = Path(target).name
+    cfg = dict(saved["config"], carryover_config=meta)
+    path = save_drafter(out, cfg, saved["state"], dtype=torch.bfloat16)
+    target_cfg = json.loads((Path(target) / "config.json").read_text())
+    validate_drafter(path, _Cfg(target_cfg), cfg["block_size"] - 1)
+    return path
+
+
+class _Cfg(dict):
+    def __getattr__(self, name: str) -> object:
+        try:
+            return self[name]
+        except KeyError as e:
+            raise AttributeError(name) from e

@@ -1,0 +1,23 @@
+"""Where the training caches live (outside the repository)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CHECKPOINTS = REPO / "train" / "checkpoints"
+
+
+def cache_root() -> Path:
+    """`$VLLM_CARRYOVER_CACHE/train`, default `~/.cache/vllm-carryover/train`."""
+    base = os.environ.get("VLLM_CARRYOVER_CACHE") or Path.home() / ".cache" / "vllm-carryover"
+    return Path(base) / "train"
+
+
+def data_dir(name: str) -> Path:
+    return cache_root() / "data" / name
+
+
+def run_dir(name: str) -> Path:
+    return cache_root() / "runs" / name

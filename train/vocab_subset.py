@@ -1,0 +1,47 @@
+"""Sampled-softmax LM head: train over a vocabulary subset to save CPU time.
+
+The LM head (the target's tied embedding, frozen) dominates the drafter's cost.
+Training restricts the softmax to the tokens of the training data plus a fresh
+random sample of the other tokens each step (negatives), and remaps the labels;
+evaluation always uses the full vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from train.dflash_loss import IGNORE
+from vllm_carryover.torch_drafter import TorchDrafter
+
+
+def step_vocab(base: torch.Tensor, vocab_size: int, num_negatives: int,
+               gen: torch.Generator) -> torch.Tensor:
+    """Sorted ids: `base` (the data's tokens) plus up to `num_negatives` random others."""
+    if num_negatives <= 0:
+        return base
+    neg = torch.randint(vocab_size, (num_negatives,), generator=gen)
+    return torch.unique(torch.cat([base, neg]))
+
+
+def remap_labels(labels: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Labels as indices into `ids`; labels outside the subset become IGNORE."""
+    table = torch.full((vocab_size,), IGNORE, dtype=torch.long)
+    table[ids] = torch.arange(ids.numel())
+    return torch.where(labels == IGNORE, labels, table[labels.clamp(min=0)])
+
+
+@contextmanager
+def restricted_head(model: TorchDrafter, ids: torch.Tensor | None) -> Iterator[None]:
+    """Within the block, the drafter's logits cover only the token `ids` (None: all)."""
+    if ids is None:
+        yield
+        return
+    full = model.lm_head
+    model.lm_head = full[ids]
+    try:
+        yield
+    finally:
+        model.lm_head = full
