@@ -1,12 +1,14 @@
 """vllm-carryover: carryover speculative decoding as a vLLM plugin."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
     name="vllm-carryover",
     version="0.1.0",
     description="Speculative decoding that reuses the target's rejected draft states (vLLM plugin)",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_carryover*", "kernels*", "train*", "benchmarks*"]),

@@ -1,18 +1,10 @@
-"""Shared fixtures: the SmolLM2 target, a random carryover drafter, free ports."""
+"""Shared fixtures: the SmolLM2 target and a random carryover drafter."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def spec_counters(llm) -> dict[str, float]:
@@ -31,7 +32,7 @@ def top2(step: dict) -> list[float]:
 
 
 def main() -> None:
-    job = json.load(open(sys.argv[1]))
+    job = json.loads(Path(sys.argv[1]).read_text())
     from vllm import LLM, SamplingParams
 
     from vllm_carryover.metrics import read_counters
@@ -56,7 +57,7 @@ def main() -> None:
         "carryover": read_counters(),
         "seconds": seconds,
     }
-    json.dump(result, open(sys.argv[2], "w"))
+    Path(sys.argv[2]).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

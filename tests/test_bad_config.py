@@ -7,6 +7,7 @@ in-process; one case checks that the real `vllm serve` CLI exits with the messag
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import free_port
 
 from vllm_carryover.checkpoint import WEIGHTS_FILE, CarryoverConfigError
+from vllm_carryover.server_process import free_port
 
 
 def engine_config(target: Path, spec: dict[str, Any]) -> Any:
@@ -225,10 +226,8 @@ def test_vllm_serve_exits_with_the_message_on_a_bad_config(smollm2, random_draft
         assert "unknown key(s) ['bogus']" in output, output[-3000:]
         assert not port_is_open(port)
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait()
 
 

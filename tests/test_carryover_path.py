@@ -102,7 +102,7 @@ def test_one_requests_carried_states_never_reach_another(tiny, tmp_path):
         by_req[r["req"]].append(r)
     assert len(by_req) == 2
     drafter = torch_drafter_for(tiny[1], tiny[0])
-    (a, ra), (b, rb) = by_req.items()
+    (_a, ra), (_b, rb) = by_req.items()
     checked = 0
     for mine, theirs in zip(ra, rb, strict=False):
         if mine["carried"] == 0 or theirs["carried"] == 0:

@@ -1,16 +1,13 @@
 """`vllm serve` with a carryover drafter: chat completions and /metrics, end to end.
 
-One server for the whole module (an engine start costs ~45 s on CPU). The drafter
+One server for the whole module (an engine start costs ~45 s on CPU), started
+and always stopped by the same `VllmServer` helper the demo and benchmarks use. The drafter
 is random, so nearly every draft is rejected and carried over: the carryover
 counters must move, and greedy output must not depend on streaming.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -19,11 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_carryover.metrics import ENV_DIR
+from vllm_carryover.server_process import VllmServer
 
 NUM_SPECULATIVE_TOKENS = 4
 STARTUP_TIMEOUT_S = 240
@@ -40,72 +36,20 @@ MESSAGES = [{"role": "user",
 class Server:
     base_url: str
     model: str
-    log: Path
     client: OpenAI
-
-
-def log_tail(log: Path, chars: int = 4000) -> str:
-    return log.read_text(errors="replace")[-chars:] if log.exists() else "(no log)"
-
-
-def wait_until_healthy(proc: subprocess.Popen, base_url: str, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"vllm serve exited with {proc.returncode} during startup:\n"
-                        f"{log_tail(log)}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2, trust_env=False).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"vllm serve not healthy after {STARTUP_TIMEOUT_S} s:\n{log_tail(log)}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (clean exit), then SIGKILL what is left."""
-    for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            continue
-    try:  # the leader is gone; children may linger in its group
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 @pytest.fixture(scope="module")
 def server(smollm2: Path, random_drafter: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm_serve") / "serve.log"
     spec = {"method": "carryover", "model": str(random_drafter),
             "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
-    command = [
-        "vllm", "serve", str(smollm2), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-        "--kv-cache-memory-bytes", str(1 << 30), "--speculative-config", json.dumps(spec),
-    ]
-    # The server must create its own counter directory, not reuse one that an
-    # in-process test left in this process's environment.
-    env = {k: v for k, v in os.environ.items() if k != ENV_DIR}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(proc, base_url, log)
-        client = OpenAI(base_url=f"{base_url}/v1", api_key="x", timeout=120,
+    log = tmp_path_factory.mktemp("vllm_serve") / "serve.log"
+    with VllmServer(smollm2, log, speculative_config=spec, dtype="float32",
+                    max_model_len=1024, start_timeout=STARTUP_TIMEOUT_S) as proc:
+        client = OpenAI(base_url=f"{proc.url}/v1", api_key="x", timeout=120,
                         max_retries=0, http_client=httpx.Client(trust_env=False))
-        yield Server(base_url, str(smollm2), log, client)
-    finally:
-        stop(proc)
+        yield Server(proc.url, str(smollm2), client)
 
 
 def chat(server: Server, max_tokens: int = 32) -> str:

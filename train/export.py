@@ -18,6 +18,7 @@ def export(run_file: Path, out: Path, target: str) -> Path:
     meta.pop("evals", None)
     meta["date"] = datetime.date.today().isoformat()
     meta["target"] = Path(target).name
+    meta["args"] = dict(meta.get("args", {}), target=Path(target).name)
     cfg = dict(saved["config"], carryover_config=meta)
     path = save_drafter(out, cfg, saved["state"], dtype=torch.bfloat16)
     target_cfg = json.loads((Path(target) / "config.json").read_text())

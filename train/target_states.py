@@ -16,10 +16,26 @@ from tqdm import tqdm
 
 
 def aux_states(model: Any, input_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
-    """Aux target states [T, len(layer_ids) * hidden] of one token sequence."""
+    """Aux target states [T, len(layer_ids) * hidden] of one token sequence.
+
+    `model` is the decoder stack (no LM head), possibly truncated after the last
+    layer in `layer_ids`.
+    """
     with torch.inference_mode():
         out = model(torch.tensor([input_ids]), output_hidden_states=True, use_cache=False)
     return torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+
+
+def truncated_decoder(target: str, last_layer: int) -> Any:
+    """The target's decoder stack in bf16, without the LM head and the layers after
+    `last_layer` (their outputs are never drafter features)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16)
+    decoder = model.model
+    decoder.layers = decoder.layers[: last_layer + 1]
+    decoder.config.num_hidden_layers = last_layer + 1
+    return decoder.eval()
 
 
 def extract(target: str, sequences: list[list[int]], layer_ids: list[int],
@@ -30,10 +46,7 @@ def extract(target: str, sequences: list[list[int]], layer_ids: list[int],
         if saved["layer_ids"] == list(layer_ids) and saved["lengths"] == [
                 len(s) for s in sequences]:
             return list(saved["states"])
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16)
-    model.eval()
+    model = truncated_decoder(target, max(layer_ids))
     states = []
     for seq in tqdm(sequences, desc="target states", unit="seq"):
         states.append(aux_states(model, seq, layer_ids).to(torch.bfloat16).clone())

@@ -85,7 +85,7 @@ def read_counters(base: Path | None = None) -> dict[str, int]:
 class _Collector:
     """Prometheus collector exposing `read_counters()` as `vllm:carryover_*_total`."""
 
-    def collect(self):  # noqa: ANN201 - prometheus_client protocol
+    def collect(self):
         from prometheus_client.core import CounterMetricFamily
 
         for name, value in read_counters().items():

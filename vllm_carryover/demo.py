@@ -1,0 +1,105 @@
+"""The main job: serve SmolLM2 with carryover, chat with it, show acceptance and speed.
+
+Starts `vllm serve` twice on 127.0.0.1 (no speculation, then carryover), sends
+the same OpenAI chat requests to both, prints the carryover answers, the
+acceptance length from vLLM's spec-decode counters, the carryover counters,
+and output tokens/s against the plain server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from vllm_carryover.server_process import VllmServer
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED = REPO / "train" / "checkpoints" / "smollm2-135m-instruct"
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a Python function that checks whether a number is prime.",
+    "Translate to Spanish: Good morning, how are you?",
+    "Sam has 3 boxes with 4 pencils each. How many pencils does he have?",
+]
+
+
+def default_drafter(target: Path, workdir: Path) -> Path:
+    """The shipped carryover drafter, else the shipped baseline, else a random one."""
+    for name in ("carryover", "dflash-baseline"):
+        if (SHIPPED / name / "model.safetensors").is_file():
+            return SHIPPED / name
+    from vllm_carryover.init_drafter import init_drafter
+
+    print("demo: no trained drafter shipped yet; using a RANDOM drafter (it will be "
+          "rejected almost always, so expect no speed-up)", file=sys.stderr)
+    return init_drafter(target, workdir / "random-drafter", block_size=8)
+
+
+def chat_all(url: str, model: str, max_tokens: int) -> tuple[list[str], int, float]:
+    """Answers, output tokens and seconds for QUESTIONS, one request at a time."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="unused")
+    answers, tokens, start = [], 0, time.perf_counter()
+    for q in QUESTIONS:
+        r = client.chat.completions.create(model=model, temperature=0, max_tokens=max_tokens,
+                                           messages=[{"role": "user", "content": q}])
+        answers.append(r.choices[0].message.content or "")
+        tokens += r.usage.completion_tokens
+    return answers, tokens, time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m vllm_carryover.demo",
+        description="Serve SmolLM2-135M-Instruct with carryover speculative decoding on "
+        "127.0.0.1, ask it a few questions through the OpenAI API, and compare with the "
+        "same server without speculation.")
+    p.add_argument("--drafter", type=Path, help="drafter folder (default: the shipped one)")
+    p.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--logs", type=Path, help="folder for the server logs (default: temp)")
+    a = p.parse_args(argv)
+
+    from vllm_carryover.testbed import smollm2_path
+
+    target = smollm2_path()
+    logs = a.logs or Path(tempfile.mkdtemp(prefix="carryover-demo-"))
+    drafter = a.drafter or default_drafter(target, logs)
+    spec = {"method": "carryover", "model": str(drafter), "num_speculative_tokens": a.k}
+    print(f"target : {target}\ndrafter: {drafter}\nlogs   : {logs}\n")
+
+    print("starting vllm serve without speculation ...", flush=True)
+    with VllmServer(target, logs / "plain.log", dtype=a.dtype) as plain:
+        _, plain_tokens, plain_s = chat_all(plain.url, str(target), a.max_tokens)
+    print("starting vllm serve with carryover ...", flush=True)
+    with VllmServer(target, logs / "carryover.log", speculative_config=spec,
+                    dtype=a.dtype) as server:
+        before = server.metrics()
+        answers, tokens, seconds = chat_all(server.url, str(target), a.max_tokens)
+        after = server.metrics()
+
+    for q, ans in zip(QUESTIONS, answers, strict=True):
+        print(f"\nQ: {q}\nA: {ans.strip()}")
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    drafts = delta.get("vllm:spec_decode_num_drafts_total", 0.0)
+    accepted = delta.get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
+    tau = 1 + accepted / drafts if drafts else float("nan")
+    print(f"\nacceptance length tau = 1 + accepted/drafts = 1 + {accepted:.0f}/{drafts:.0f} "
+          f"= {tau:.2f}  (K={a.k})")
+    print("carryover: {:.0f} rejected states carried over, {:.0f} of {:.0f} rounds with a "
+          "non-empty slot".format(delta.get("vllm:carryover_rejected_states_total", 0),
+                                  delta.get("vllm:carryover_nonempty_slot_rounds_total", 0),
+                                  delta.get("vllm:carryover_draft_rounds_total", 0)))
+    plain_tps, tps = plain_tokens / plain_s, tokens / seconds
+    print(f"output speed, one request at a time: {tps:.1f} tok/s with carryover vs "
+          f"{plain_tps:.1f} tok/s without speculation = {tps / plain_tps:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
