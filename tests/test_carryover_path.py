@@ -17,6 +17,7 @@ from engine_runner import run_engine
 from tiny_models import make_tiny_drafter, make_tiny_target, torch_drafter_for
 
 from vllm_carryover.draft_trace import ENV, load_rounds
+from vllm_carryover.init_drafter import init_drafter
 from vllm_carryover.torch_drafter import TorchDrafter
 
 K = 4
@@ -117,3 +118,17 @@ def test_one_requests_carried_states_never_reach_another(tiny, tmp_path):
         assert (leaked - mine["got"]).abs().max() > 1e-3
         checked += 1
     assert checked > 5
+
+
+def test_checkpoint_without_carryover_weights_serves_in_vllm_in_tree_dflash(tiny, tmp_path):
+    target, _ = tiny
+    plain = init_drafter(target, tmp_path / "plain", block_size=K + 1, seed=4)
+    prompts = random_prompts(4, seed=5)
+    job = {"model": str(target), "prompts": prompts, "max_tokens": 16}
+    ref = run_engine(job, tmp_path, "none")
+    job["engine"] = {"speculative_config": {"method": "dflash", "model": str(plain),
+                                            "num_speculative_tokens": K}}
+    out = run_engine(job, tmp_path, "dflash")
+    assert out["token_ids"] == ref["token_ids"]
+    assert out["spec"]["spec_decode_num_drafts"] > 0
+    assert out["carryover"]["carryover_draft_rounds"] == 0

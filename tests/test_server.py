@@ -37,6 +37,7 @@ class Server:
     base_url: str
     model: str
     client: OpenAI
+    log: Path
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def server(smollm2: Path, random_drafter: Path,
                     max_model_len=1024, start_timeout=STARTUP_TIMEOUT_S) as proc:
         client = OpenAI(base_url=f"{proc.url}/v1", api_key="x", timeout=120,
                         max_retries=0, http_client=httpx.Client(trust_env=False))
-        yield Server(proc.url, str(smollm2), client)
+        yield Server(proc.url, str(smollm2), client, log)
 
 
 def chat(server: Server, max_tokens: int = 32) -> str:
@@ -120,3 +121,9 @@ def test_counters_advance_with_each_request(server):
         server, lambda m: all(m.get(c, 0) > before.get(c, 0) for c in counters))
     for name in counters:
         assert after.get(name, 0) > before.get(name, 0), name
+
+
+def test_plain_dflash_checkpoint_loads_with_zero_rejected_embedding_and_says_so(server):
+    log = server.log.read_text(errors="replace")
+    assert "Carryover drafting: context from rejected states is on." in log
+    assert "Drafter checkpoint has no rejected_embedding: it starts at zero" in log

@@ -35,6 +35,7 @@ def truncated_decoder(target: str, last_layer: int) -> Any:
     decoder = model.model
     decoder.layers = decoder.layers[: last_layer + 1]
     decoder.config.num_hidden_layers = last_layer + 1
+    decoder.norm = torch.nn.Identity()  # the last returned state is the normed output
     return decoder.eval()
 
 

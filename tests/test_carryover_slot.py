@@ -1,0 +1,39 @@
+"""Slot planning: which verify rows are carried over and where the query block goes."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_carryover.carryover_slot import plan_slots, shift_query_slots
+
+K = 4
+
+
+def test_rejected_rows_are_the_last_num_rejected_rows_of_each_request():
+    # request 0: prefill chunk of 3 rows (no drafts); 1: verify [x, d1..d4] with 3 rejected;
+    # 2: verify with everything accepted; 3: verify with all 4 drafts rejected.
+    qsl = torch.tensor([0, 3, 8, 13, 18])
+    layout = plan_slots(qsl, torch.tensor([0, 3, 0, 4], dtype=torch.int32), 18, K)
+    assert layout.carried.tolist() == [0, 3, 0, 4]
+    expected = [False] * 3 + [False, False, True, True, True] + [False] * 5 + \
+        [False, True, True, True, True]
+    assert layout.rejected_rows.tolist() == expected
+
+
+def test_request_without_any_valid_token_carries_nothing():
+    layout = plan_slots(torch.tensor([0, 5]), torch.tensor([K + 1], dtype=torch.int32), 5, K)
+    assert layout.carried.tolist() == [0]
+    assert not layout.rejected_rows.any()
+
+
+def test_query_block_is_stored_after_the_slot_at_its_own_blocks():
+    block_size, q = 4, K + 1
+    block_table = torch.tensor([[7, 3, 9, 5], [2, 8, 6, 1]])
+    # logical query positions: request 0 starts at 5, request 1 at 2
+    positions = torch.tensor([5, 6, 7, 8, 9, 2, 3, 4, 5, 6])
+    slots = shift_query_slots(positions, torch.tensor([3, 0]), q, block_table, block_size)
+    physical = [8, 9, 10, 11, 12, 2, 3, 4, 5, 6]
+    req = [0] * q + [1] * q
+    want = [block_table[r, p // block_size] * block_size + p % block_size
+            for r, p in zip(req, physical, strict=True)]
+    assert slots.tolist() == [int(w) for w in want]

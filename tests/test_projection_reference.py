@@ -1,0 +1,74 @@
+"""The context projection: rejected rows get the mark, everything else is plain DFlash."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import project_context_kv_reference
+from vllm_carryover.checkpoint import DrafterConfig, make_config_dict, random_state_dict
+from vllm_carryover.torch_drafter import TorchDrafter
+
+TARGET = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+          "max_position_embeddings": 256}
+
+
+def drafter(seed: int = 0) -> TorchDrafter:
+    cfg = DrafterConfig.from_dict(make_config_dict(
+        TARGET, num_layers=2, block_size=5, target_layer_ids=[1, 3], mask_token_id=0))
+    model = TorchDrafter(cfg, torch.randn(100, 64, generator=torch.Generator().manual_seed(9)))
+    state = random_state_dict(cfg, seed)
+    state["rejected_embedding"] = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    model.load_checkpoint_state(state)
+    return model.eval()
+
+
+def test_no_rejected_row_gives_exactly_the_plain_projection():
+    m = drafter()
+    x, pos = torch.randn(7, 64), torch.arange(7)
+    w = m.projection_weights()
+    k0, v0 = project_context_kv_reference(x, pos, None, w)
+    k1, v1 = project_context_kv_reference(x, pos, torch.zeros(7, dtype=torch.bool), w)
+    assert torch.equal(k0, k1) and torch.equal(v0, v1)
+
+
+def test_rejected_mark_changes_only_the_marked_rows():
+    m = drafter()
+    x, pos = torch.randn(7, 64), torch.arange(7)
+    rejected = torch.tensor([False] * 4 + [True] * 3)
+    w = m.projection_weights()
+    k0, v0 = project_context_kv_reference(x, pos, None, w)
+    k1, v1 = project_context_kv_reference(x, pos, rejected, w)
+    assert torch.equal(k0[:, :4], k1[:, :4]) and torch.equal(v0[:, :4], v1[:, :4])
+    assert not torch.allclose(k0[:, 4:], k1[:, 4:])
+
+
+@torch.no_grad()
+def test_changing_only_rejected_states_changes_draft_logits_and_empty_slot_does_not():
+    m = drafter()
+    ctx, ctx_pos = torch.randn(10, 64), torch.arange(10)
+    slot_a, slot_b, slot_pos = torch.randn(3, 64), torch.randn(3, 64), torch.arange(11, 14)
+    plain = m.draft_logits(ctx, ctx_pos, 5, 11, 4)
+    empty = m.draft_logits(ctx, ctx_pos, 5, 11, 4, torch.zeros(0, 64), slot_pos[:0])
+    a = m.draft_logits(ctx, ctx_pos, 5, 11, 4, slot_a, slot_pos)
+    b = m.draft_logits(ctx, ctx_pos, 5, 11, 4, slot_b, slot_pos)
+    assert torch.equal(plain, empty)
+    assert (a - plain).abs().max() > 1e-3
+    assert (a - b).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_attention_over_context_and_slot_equals_one_softmax_over_concatenated_keys():
+    """Keys in any order give the same non-causal attention: slot after context."""
+    m = drafter()
+    ctx, ctx_pos = torch.randn(6, 64), torch.arange(6)
+    slot, slot_pos = torch.randn(2, 64), torch.tensor([7, 8])
+    rejected = torch.tensor([False] * 6 + [True] * 2)
+    k, v = m.context_kv(torch.cat([ctx, slot]), torch.cat([ctx_pos, slot_pos]), rejected)
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(3))
+    ids, pos = torch.tensor([[5, 0, 0, 0, 0]]), torch.arange(7, 12)[None]
+    together = m(ids, pos, k[:, None], v[:, None])
+    shuffled = m(ids, pos, k[:, perm][:, None], v[:, perm][:, None])
+    torch.testing.assert_close(together, shuffled, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(together[0, 1:], m.draft_logits(ctx, ctx_pos, 5, 7, 4, slot,
+                                                               slot_pos), atol=1e-5, rtol=1e-5)
