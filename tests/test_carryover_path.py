@@ -30,14 +30,25 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return target, make_tiny_drafter(target, root / "drafter", block_size=K + 1)
 
 
-def replay(rounds: list[dict], drafter: TorchDrafter) -> list[dict]:
-    """Recompute every traced draft; one entry per (round, request)."""
+def replay(rounds: list[dict], drafter: TorchDrafter,
+           shared_prefix: bool = False) -> list[dict]:
+    """Recompute every traced draft; one entry per (round, request).
+
+    With `shared_prefix`, a request whose first rows start past position 0 had
+    a prefix-cache hit: its cached context is taken from the earlier request
+    that computed those positions (the prompts share that prefix).
+    """
     committed: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
     results = []
     for rec in rounds:
         qsl, pos, states = rec["query_start_loc"], rec["positions"], rec["states"]
         for i, req in enumerate(rec["req_ids"]):
             start, end = int(qsl[i]), int(qsl[i + 1])
+            if shared_prefix and req not in committed:
+                earlier = [c for c in committed.values() if c]
+                first = int(pos[start])
+                committed[req] = {p: st for p, st in earlier[-1].items() if p < first} \
+                    if earlier and first > 0 else {}
             rejected = int(rec["num_rejected"][i])
             carried = rejected if bool(rec["carryover"]) and rejected <= K else 0
             for row in range(start, end - rejected):
@@ -51,21 +62,23 @@ def replay(rounds: list[dict], drafter: TorchDrafter) -> list[dict]:
             with torch.no_grad():
                 expected = drafter.draft_logits(*args, slot, slot_pos)
                 without_slot = drafter.draft_logits(*args)
-            results.append(dict(req=req, carried=carried, expected=expected,
-                                without_slot=without_slot, slot=slot, slot_pos=slot_pos,
-                                args=args, got=rec["logits"][i * K:(i + 1) * K]))
+            results.append(dict(req=req, carried=carried, first_position=int(pos[start]),
+                                expected=expected, without_slot=without_slot, slot=slot,
+                                slot_pos=slot_pos, args=args,
+                                got=rec["logits"][i * K:(i + 1) * K]))
     return results
 
 
 def traced_run(tiny: tuple[Path, Path], tmp: Path, prompts: list[list[int]],
-               carryover: bool = True, **engine) -> list[dict]:
+               carryover: bool = True, shared_prefix: bool = False, **engine) -> list[dict]:
     target, drafter_dir = tiny
     spec = {"method": "carryover", "model": str(drafter_dir), "num_speculative_tokens": K,
             "carryover": carryover}
     job = {"model": str(target), "prompts": prompts, "max_tokens": 24,
            "engine": {"speculative_config": spec, "max_num_batched_tokens": 48, **engine}}
     run_engine(job, tmp, "trace", env={ENV: str(tmp / "trace")})
-    return replay(load_rounds(tmp / "trace"), torch_drafter_for(drafter_dir, target))
+    return replay(load_rounds(tmp / "trace"), torch_drafter_for(drafter_dir, target),
+                  shared_prefix)
 
 
 def random_prompts(n: int, seed: int) -> list[list[int]]:
@@ -73,8 +86,14 @@ def random_prompts(n: int, seed: int) -> list[list[int]]:
     return [[rnd.randrange(3, 500) for _ in range(rnd.randrange(4, 90))] for _ in range(n)]
 
 
-def test_vllm_draft_logits_equal_explicit_attention_over_context_and_slot(tiny, tmp_path):
-    results = traced_run(tiny, tmp_path, random_prompts(6, seed=1))
+@pytest.fixture(scope="module")
+def traced_batch(tiny, tmp_path_factory) -> list[dict]:
+    """Six requests of mixed lengths drafted together, chunked prefill forced."""
+    return traced_run(tiny, tmp_path_factory.mktemp("batch"), random_prompts(6, seed=1))
+
+
+def test_vllm_draft_logits_equal_explicit_attention_over_context_and_slot(traced_batch):
+    results = traced_batch
     assert len(results) > 50
     for r in results:
         torch.testing.assert_close(r["got"], r["expected"], atol=2e-4, rtol=2e-4)
@@ -132,3 +151,22 @@ def test_checkpoint_without_carryover_weights_serves_in_vllm_in_tree_dflash(tiny
     assert out["token_ids"] == ref["token_ids"]
     assert out["spec"]["spec_decode_num_drafts"] > 0
     assert out["carryover"]["carryover_draft_rounds"] == 0
+
+
+def test_prefix_cache_hits_draft_from_the_cached_context(tiny, tmp_path):
+    """A request that hits the prefix cache drafts exactly as if it had computed
+    its prefix itself: the drafter's context K/V in shared blocks are intact,
+    and no carried-over or query-block K/V ever lands in a shared block."""
+    first = random_prompts(1, seed=6)[0] + random_prompts(1, seed=7)[0]
+    rnd = random.Random(8)
+    prompts = [first, first[:70] + [rnd.randrange(3, 500) for _ in range(20)],
+               first[:48] + [rnd.randrange(3, 500) for _ in range(9)]]
+    results = traced_run(tiny, tmp_path, prompts, shared_prefix=True, max_num_seqs=1,
+                         block_size=32, enable_prefix_caching=True)
+    first_position = {}
+    for r in results:
+        first_position.setdefault(r["req"], r["first_position"])
+    assert len(first_position) == 3
+    assert max(first_position.values()) > 0, "no request hit the prefix cache"
+    for r in results:
+        torch.testing.assert_close(r["got"], r["expected"], atol=2e-4, rtol=2e-4)
