@@ -53,12 +53,13 @@ def replay(rounds: list[dict], drafter: TorchDrafter,
             carried = rejected if bool(rec["carryover"]) and rejected <= K else 0
             for row in range(start, end - rejected):
                 committed[req][int(pos[row])] = states[row]
-            ctx_pos = sorted(committed[req])
+            block_start = int(rec["query_positions"][i * (K + 1)])
+            # Positions at or past the block start are stale (a preempted request's old rows).
+            ctx_pos = sorted(p for p in committed[req] if p < block_start)
             ctx = torch.stack([committed[req][p] for p in ctx_pos])
             slot = states[end - carried:end]
             slot_pos = pos[end - carried:end]
-            args = (ctx, torch.tensor(ctx_pos), int(rec["next_token_ids"][i]),
-                    int(rec["query_positions"][i * (K + 1)]), K)
+            args = (ctx, torch.tensor(ctx_pos), int(rec["next_token_ids"][i]), block_start, K)
             with torch.no_grad():
                 expected = drafter.draft_logits(*args, slot, slot_pos)
                 without_slot = drafter.draft_logits(*args)
@@ -168,5 +169,22 @@ def test_prefix_cache_hits_draft_from_the_cached_context(tiny, tmp_path):
         first_position.setdefault(r["req"], r["first_position"])
     assert len(first_position) == 3
     assert max(first_position.values()) > 0, "no request hit the prefix cache"
+    for r in results:
+        torch.testing.assert_close(r["got"], r["expected"], atol=2e-4, rtol=2e-4)
+
+
+def test_preempted_request_resumes_with_an_empty_slot(tiny, tmp_path):
+    """A KV cache too small for the batch forces recompute preemption; the
+    re-prefilled request drafts with an empty slot, then carries over again."""
+    results = traced_run(tiny, tmp_path, random_prompts(6, seed=9), max_model_len=256,
+                         kv_cache_memory_bytes=900_000, block_size=32)
+    resumed = []
+    last_position: dict[str, int] = {}
+    for r in results:
+        if r["first_position"] == 0 and last_position.get(r["req"], 0) > 0:
+            resumed.append(r)
+        last_position[r["req"]] = r["args"][3]
+    assert resumed, "the small KV cache did not preempt any request"
+    assert all(r["carried"] == 0 for r in resumed)
     for r in results:
         torch.testing.assert_close(r["got"], r["expected"], atol=2e-4, rtol=2e-4)

@@ -8,6 +8,8 @@ counters must move, and greedy output must not depend on streaming.
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -127,3 +129,19 @@ def test_plain_dflash_checkpoint_loads_with_zero_rejected_embedding_and_says_so(
     log = server.log.read_text(errors="replace")
     assert "Carryover drafting: context from rejected states is on." in log
     assert "Drafter checkpoint has no rejected_embedding: it starts at zero" in log
+
+
+def test_vllm_bench_serve_runs_against_the_carryover_server(server, tmp_path):
+    before = scrape(server)
+    proc = subprocess.run(
+        ["vllm", "bench", "serve", "--base-url", server.base_url, "--model", server.model,
+         "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "16",
+         "--num-prompts", "4", "--max-concurrency", "2", "--ignore-eos", "--save-result",
+         "--result-dir", str(tmp_path), "--result-filename", "bench.json"],
+        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["completed"] == 4
+    assert result["total_output_tokens"] == 4 * 16
+    after = scrape_until(server, lambda m: m.get(DRAFT_ROUNDS, 0) > before.get(DRAFT_ROUNDS, 0))
+    assert after[DRAFT_ROUNDS] > before.get(DRAFT_ROUNDS, 0)

@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="full-vocabulary softmax in training (slower on CPU)")
     b.add_argument("--num-negatives", type=int, default=4096,
                    help="random extra tokens per step in the sampled softmax")
+    b.add_argument("--init-run", default="",
+                   help="continue training from this run's final.pt (fresh LR schedule)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--threads", type=int, default=2)
     b.set_defaults(fn=cmd_baseline)

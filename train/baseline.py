@@ -60,6 +60,7 @@ class BaselineArgs:
     eval_anchors_per_seq: int = 16
     vocab_subset: bool = True
     num_negatives: int = 4096
+    init_run: str = ""
     seed: int = 0
     threads: int = 2
     extra: dict[str, Any] = field(default_factory=dict)
@@ -145,7 +146,15 @@ def train_baseline(a: BaselineArgs) -> Path:
     cfg = new_drafter_config(a.target, a)
     dcfg = DrafterConfig.from_dict(cfg)
     model = TorchDrafter(dcfg, target_embedding(a.target))
-    state = random_drafter_state(dcfg, a.seed)
+    prior: dict[str, Any] = {}
+    if a.init_run:  # continue from an earlier run (its config wins)
+        saved = torch.load(run_dir(a.init_run) / "final.pt")
+        cfg, prior = saved["config"], saved["meta"]
+        dcfg = DrafterConfig.from_dict(cfg)
+        model = TorchDrafter(dcfg, target_embedding(a.target))
+        state = saved["state"]
+    else:
+        state = random_drafter_state(dcfg, a.seed)
     model.load_checkpoint_state(state)
     model.rejected_embedding.requires_grad_(False)  # baseline: no carryover weight
     params = [p for p in model.parameters() if p.requires_grad]
@@ -165,7 +174,7 @@ def train_baseline(a: BaselineArgs) -> Path:
     evals: list[dict[str, Any]] = []
     tokens_seen = 0
     train_seconds = 0.0
-    step = 0
+    steps_done = 0
     bar = tqdm(total=a.steps, desc="baseline", unit="step")
     for step in range(a.steps):
         t0 = time.perf_counter()
@@ -196,6 +205,7 @@ def train_baseline(a: BaselineArgs) -> Path:
             tokens_seen += int((labels != -100).sum())
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        steps_done += 1
         train_seconds += time.perf_counter() - t0
         log.write(json.dumps({"step": step, "loss": total_loss, "lr": lr,
                                   "seconds": train_seconds}) + "\n")
@@ -208,13 +218,17 @@ def train_baseline(a: BaselineArgs) -> Path:
             log.write(json.dumps(evals[-1]) + "\n")
         log.flush()
     bar.close()
-    steps_done = step + 1 if a.steps else 0
     final = evaluate(model, heldout, a.eval_anchors_per_seq)
     print(f"final heldout acc/slot {final.accuracy()} tau~{final.tau():.3f}")
     state = {k: v for k, v in model.checkpoint_state().items() if k != REJECTED_EMBEDDING}
+    steps_done += prior.get("steps", 0)
+    tokens_seen += prior.get("trained_label_tokens", 0)
+    train_seconds += prior.get("train_seconds", 0.0)
     meta = {"recipe": "dflash-baseline", "steps": steps_done,
                 "trained_label_tokens": tokens_seen, "train_seconds": round(train_seconds, 1),
                 "label_tokens_per_s": round(tokens_seen / max(train_seconds, 1e-9), 1),
+                "continued_from": ([*prior.get("continued_from", []), a.init_run]
+                                   if a.init_run else []),
                 "data": a.data, "data_manifest_sha256": load_manifest(data_dir(a.data))["sha256"],
                 "train_sequences": len(train), "heldout_sequences": len(heldout),
                 "heldout_accuracy_per_slot": final.accuracy(),
