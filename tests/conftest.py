@@ -25,3 +25,12 @@ def random_drafter(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
     out = tmp_path_factory.mktemp("random_drafter")
     return init_drafter(smollm2, out, num_layers=1, block_size=8, seed=0)
+
+
+@pytest.fixture(scope="session")
+def trained_drafter() -> Path:
+    """The shipped SmolLM2 drafter trained by `python -m train baseline`: often right."""
+    path = (Path(__file__).resolve().parent.parent / "train" / "checkpoints"
+            / "smollm2-135m-instruct" / "dflash-baseline")
+    assert (path / "model.safetensors").is_file(), f"missing shipped drafter {path}"
+    return path

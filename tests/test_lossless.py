@@ -77,6 +77,19 @@ def test_float32_random_drafter_is_token_identical_and_carries_states(
     assert out["spec"]["spec_decode_num_drafts"] > 0
 
 
+def test_float32_trained_drafter_is_token_identical_with_partial_acceptance(
+        smollm2, prompts, trained_drafter, reference_fp32, tmp_path):
+    out = generate(smollm2, prompts, tmp_path, "carryover-trained", trained_drafter)
+    assert out["token_ids"] == reference_fp32["token_ids"]
+    spec, co = out["spec"], out["carryover"]
+    assert spec["spec_decode_num_accepted_tokens"] > 0.2 * spec["spec_decode_num_drafts"]
+    # Some drafts are accepted whole (the next slot is empty), others partly
+    # (the next slot holds fewer than K states).
+    assert spec["accepted_per_pos"][-1] > 0
+    assert 0 < co["carryover_nonempty_slot_rounds"] < co["carryover_draft_rounds"]
+    assert co["carryover_rejected_states"] < 7 * co["carryover_nonempty_slot_rounds"]
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
