@@ -79,3 +79,25 @@ def project_context_kv_reference(
     k = rms_norm(k, w.k_norm_weight.view(w.num_layers, 1, 1, w.head_dim), w.eps)
     k = apply_rope(k, positions, w.cos_sin_cache, w.is_neox_style)
     return k.contiguous(), v.contiguous()
+
+
+def project_context_kv_into_cache_reference(
+    states: torch.Tensor,
+    positions: torch.Tensor,
+    rejected_rows: torch.Tensor | None,
+    w: ContextProjectionWeights,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """Project, then scatter K/V into paged caches [layers, num_blocks, block_size, nkv, hd].
+
+    Row r goes to flat slot `slot_mapping[r]` (block * block_size + offset) of
+    every layer; a negative slot skips the row (vLLM's padding convention).
+    """
+    k, v = project_context_kv_reference(states, positions, rejected_rows, w)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    flat = (k_cache.shape[0], -1, *k_cache.shape[3:])  # a view: writes land in the cache
+    k_cache.view(flat)[:, slots] = k[:, keep]
+    v_cache.view(flat)[:, slots] = v[:, keep]

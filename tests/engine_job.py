@@ -16,16 +16,6 @@ import time
 from pathlib import Path
 
 
-def spec_counters(llm) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode") and hasattr(m, "value"):
-            out[m.name.removeprefix("vllm:")] = m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            out["accepted_per_pos"] = list(m.values)
-    return out
-
-
 def top2(step: dict) -> list[float]:
     """The two highest logprobs of one decoding step."""
     return sorted((lp.logprob for lp in step.values()), reverse=True)[:2]
@@ -35,7 +25,7 @@ def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     from vllm import LLM, SamplingParams
 
-    from vllm_carryover.metrics import read_counters
+    from vllm_carryover.metrics import read_counters, spec_decode_counters
 
     engine = dict(dtype="float32", enforce_eager=True, max_model_len=1024,
                   kv_cache_memory_bytes=1 << 30, disable_log_stats=False,
@@ -53,7 +43,7 @@ def main() -> None:
         "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
         "logprobs": [[top2(step) for step in (o.outputs[0].logprobs or [])]
                      for o in outputs],
-        "spec": spec_counters(llm),
+        "spec": spec_decode_counters(llm),
         "carryover": read_counters(),
         "seconds": seconds,
     }

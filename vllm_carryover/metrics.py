@@ -82,6 +82,25 @@ def read_counters(base: Path | None = None) -> dict[str, int]:
     return dict(zip(COUNTERS, (int(v) for v in total), strict=True))
 
 
+def spec_decode_counters(llm: object) -> dict[str, object]:
+    """vLLM's own spec-decode counters of an offline `LLM` (needs log stats on),
+    plus `accepted_per_pos`: how often draft position i was accepted."""
+    out: dict[str, object] = {}
+    for m in llm.get_metrics():  # type: ignore[attr-defined]
+        if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out["accepted_per_pos"] = list(m.values)
+        elif m.name.startswith("vllm:spec_decode") and hasattr(m, "value"):
+            out[m.name.removeprefix("vllm:")] = m.value
+    return out
+
+
+def acceptance_length(counters: dict[str, object]) -> float | None:
+    """tau = 1 + accepted / drafts: tokens committed per verify step, bonus included."""
+    drafts = float(counters.get("spec_decode_num_drafts", 0) or 0)
+    accepted = float(counters.get("spec_decode_num_accepted_tokens", 0) or 0)
+    return 1 + accepted / drafts if drafts else None
+
+
 class _Collector:
     """Prometheus collector exposing `read_counters()` as `vllm:carryover_*_total`."""
 

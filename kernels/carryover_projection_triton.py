@@ -1,0 +1,274 @@
+"""Triton fused context K/V projection (semantics: `project_context_kv_reference`).
+
+One launch does the whole context path for every row of the batch, committed
+and rejected alike: hidden RMSNorm -> + rejected embedding on rejected rows ->
+the K/V GEMM of every drafter layer -> per-head K RMSNorm -> RoPE -> store.
+
+Tiling: program (m, t) computes BLOCK_M rows x one head tile t, where t runs
+over (layer, K|V, kv head) in the order of `kv_weight`'s rows. A head tile is
+the natural GEMM tile here: K-norm reduces over exactly one head and RoPE mixes
+dimensions of one head only, so both run in the GEMM's epilogue on registers.
+RoPE pairs dimension a with b (neox: i with i + rot/2; GPT-J: 2i with 2i + 1),
+so the kernel keeps two accumulators, one for the `a` dimensions and one for
+their `b` partners, each a GEMM against the matching weight rows; rotating is
+then elementwise. Dimensions beyond the rotary dim are paired too and pass
+through unrotated.
+
+The hidden norm needs a row's full sum of squares before the GEMM, so each
+program first sweeps its rows once (they are small and stay in L2), then runs
+the GEMM over the normalized rows. Rounding follows the reference: normalized
+states, GEMM output and normed K are rounded to the states' dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.carryover_projection import ContextProjectionWeights
+
+
+@triton.jit
+def _project_context_kv_kernel(
+    x_ptr, stride_xm,  # states [N, hidden]
+    pos_ptr,  # [N] positions
+    rej_ptr,  # [N] uint8 rejected mask (read when HAS_REJECTED)
+    norm_w_ptr, emb_ptr,  # hidden norm weight and rejected embedding [hidden]
+    w_ptr, stride_wn, stride_wk,  # kv_weight [layers * 2 * kv_heads * head_dim, hidden]
+    bias_ptr,  # kv_bias (read when HAS_BIAS)
+    knorm_ptr, stride_knl,  # K-norm weight [layers, head_dim]
+    cs_ptr, stride_csp,  # cos_sin_cache [max_position, rot_dim]
+    k_out_ptr, v_out_ptr,  # [layers, N, kv_heads, head_dim] (written when WRITE_KV)
+    slot_ptr,  # [N] cache slots, < 0 skips the row (read when WRITE_CACHE)
+    k_cache_ptr, v_cache_ptr, stride_cl, stride_cs, stride_ch,  # caches: layer, slot, kv head
+    N, HIDDEN, eps,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    HALF_PAD: tl.constexpr,  # HEAD_DIM // 2 rounded up to a power of two (>= 16)
+    IS_NEOX: tl.constexpr,
+    HAS_REJECTED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot input precision ("ieee" keeps float32 exact)
+):
+    dtype = x_ptr.dtype.element_ty
+    pid_m = tl.program_id(0)  # row tiles vary fastest: programs sharing weights run together
+    tile = tl.program_id(1)  # (layer * 2 + (0: K, 1: V)) * NUM_KV_HEADS + kv_head
+    layer = tile // (2 * NUM_KV_HEADS)
+    is_k = (tile // NUM_KV_HEADS) % 2 == 0
+    kv_head = tile % NUM_KV_HEADS
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+
+    # Pass 1 over the hidden dim: each row's RMS for the hidden norm.
+    sum_sq = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & (cols < HIDDEN)[None, :],
+                    other=0.0).to(tl.float32)
+        sum_sq += tl.sum(x * x, axis=1)
+    rstd = tl.rsqrt(sum_sq / HIDDEN + eps)
+    if HAS_REJECTED:
+        rejected = tl.load(rej_ptr + rows, mask=row_ok, other=0) != 0
+
+    # The head's dimensions as rotary pairs (a[i], b[i]), i < HEAD_DIM // 2.
+    i = tl.arange(0, HALF_PAD)
+    i_ok = i < HEAD_DIM // 2
+    if IS_NEOX:
+        half_rot = ROT_DIM // 2
+        dim_a = tl.where(i < half_rot, i, ROT_DIM + 2 * (i - half_rot))
+        dim_b = tl.where(i < half_rot, i + half_rot, dim_a + 1)
+    else:
+        dim_a = 2 * i
+        dim_b = 2 * i + 1
+    w_a = w_ptr + (tile * HEAD_DIM + dim_a).to(tl.int64)[None, :] * stride_wn
+    w_b = w_ptr + (tile * HEAD_DIM + dim_b).to(tl.int64)[None, :] * stride_wn
+
+    # Pass 2: GEMM of the normalized (and marked) rows against the head's weight rows.
+    acc_a = tl.zeros([BLOCK_M, HALF_PAD], tl.float32)
+    acc_b = tl.zeros([BLOCK_M, HALF_PAD], tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < HIDDEN
+        x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                    other=0.0).to(tl.float32)
+        nw = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        xn = (x * rstd[:, None] * nw[None, :]).to(dtype)
+        if HAS_REJECTED:
+            emb = tl.load(emb_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            xn = (xn.to(tl.float32) + tl.where(rejected[:, None], emb[None, :], 0.0)).to(dtype)
+        w_mask = col_ok[:, None] & i_ok[None, :]
+        wa = tl.load(w_a + cols[:, None] * stride_wk, mask=w_mask, other=0.0)  # [BLOCK_K, HALF]
+        wb = tl.load(w_b + cols[:, None] * stride_wk, mask=w_mask, other=0.0)
+        acc_a = tl.dot(xn, wa.to(dtype), acc_a, input_precision=PRECISION)
+        acc_b = tl.dot(xn, wb.to(dtype), acc_b, input_precision=PRECISION)
+
+    # Epilogue on registers: bias, K-norm and RoPE (K tiles only), store.
+    if HAS_BIAS:
+        bias_at = bias_ptr + tile * HEAD_DIM
+        acc_a += tl.load(bias_at + dim_a, mask=i_ok, other=0.0).to(tl.float32)[None, :]
+        acc_b += tl.load(bias_at + dim_b, mask=i_ok, other=0.0).to(tl.float32)[None, :]
+    out_a = acc_a.to(dtype).to(tl.float32)
+    out_b = acc_b.to(dtype).to(tl.float32)
+    if is_k:
+        # Padding dims (i >= HEAD_DIM // 2) hold zeros, so they add nothing to the sum.
+        k_rstd = tl.rsqrt((tl.sum(out_a * out_a, axis=1) + tl.sum(out_b * out_b, axis=1))
+                          / HEAD_DIM + eps)
+        kn_at = knorm_ptr + layer * stride_knl
+        kn_a = tl.load(kn_at + dim_a, mask=i_ok, other=0.0).to(tl.float32)
+        kn_b = tl.load(kn_at + dim_b, mask=i_ok, other=0.0).to(tl.float32)
+        out_a = (out_a * k_rstd[:, None] * kn_a[None, :]).to(dtype).to(tl.float32)
+        out_b = (out_b * k_rstd[:, None] * kn_b[None, :]).to(dtype).to(tl.float32)
+        # RoPE: cos | sin halves of the cache row at each row's own position;
+        # pairs past the rotary dim get cos 1, sin 0.
+        pos = tl.load(pos_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        cs_mask = row_ok[:, None] & (i < ROT_DIM // 2)[None, :]
+        cs_row = cs_ptr + pos[:, None] * stride_csp + i[None, :]
+        cos = tl.load(cs_row, mask=cs_mask, other=1.0).to(dtype).to(tl.float32)
+        sin = tl.load(cs_row + ROT_DIM // 2, mask=cs_mask, other=0.0).to(dtype).to(tl.float32)
+        rot_a = out_a * cos - out_b * sin
+        out_b = out_b * cos + out_a * sin
+        out_a = rot_a
+
+    store_mask = row_ok[:, None] & i_ok[None, :]
+    if WRITE_KV:
+        # K and V outputs are [layers, N, kv_heads, head_dim].
+        out_row = ((layer * N + rows).to(tl.int64) * NUM_KV_HEADS + kv_head) * HEAD_DIM
+        out_base = tl.where(is_k, k_out_ptr, v_out_ptr) + out_row[:, None]
+        tl.store(out_base + dim_a[None, :], out_a.to(dtype), mask=store_mask)
+        tl.store(out_base + dim_b[None, :], out_b.to(dtype), mask=store_mask)
+    if WRITE_CACHE:
+        slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+        cache_row = layer.to(tl.int64) * stride_cl + slot * stride_cs + kv_head * stride_ch
+        cache_base = tl.where(is_k, k_cache_ptr, v_cache_ptr) + cache_row[:, None]
+        cache_mask = store_mask & (slot >= 0)[:, None]
+        tl.store(cache_base + dim_a[None, :], out_a.to(dtype), mask=cache_mask)
+        tl.store(cache_base + dim_b[None, :], out_b.to(dtype), mask=cache_mask)
+
+
+def projection_launch(
+    states: torch.Tensor,
+    positions: torch.Tensor,
+    rejected_rows: torch.Tensor | None,
+    w: ContextProjectionWeights,
+    kv_out: tuple[torch.Tensor, torch.Tensor] | None,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any]]:
+    """Grid, arguments and meta-parameters of one launch (also used to compile offline).
+
+    One launch covers all rows and head tiles. Tile sizes keep every
+    configuration free of register spills on sm_90 (checked by
+    tests/kernel_compile.py); they are not tuned on a GPU yet.
+    """
+    n, hidden = states.shape
+    hd, nkv, layers = w.head_dim, w.num_kv_heads, w.num_layers
+    rot = w.cos_sin_cache.shape[-1]
+    if hd % 2 or rot % 2 or rot > hd:
+        raise ValueError(f"head_dim {hd} and rotary dim {rot} must be even, rotary <= head_dim")
+    if w.kv_weight.shape != (layers * 2 * nkv * hd, hidden):
+        raise ValueError(f"kv_weight {tuple(w.kv_weight.shape)} does not match the config")
+    if states.stride(1) != 1 or w.cos_sin_cache.stride(1) != 1:
+        raise ValueError("states and cos_sin_cache need a contiguous last dim")
+    k_norm = w.k_norm_weight.reshape(layers, hd)
+    dummy = states  # never read: the matching constexpr flag is off
+    if cache is not None:
+        slots, k_cache, v_cache = cache
+        # [layers, num_blocks, block_size, kv_heads, head_dim] -> one slot axis.
+        flat = (k_cache.shape[0], -1, *k_cache.shape[3:])  # a view, never a copy
+        k_cache, v_cache = k_cache.view(flat), v_cache.view(flat)
+        if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+            raise ValueError("k_cache and v_cache need equal strides and contiguous head_dim")
+        cache_args = (slots, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
+                      k_cache.stride(2))
+    else:
+        cache_args = (dummy, dummy, dummy, 0, 0, 0)
+    k_out, v_out = kv_out if kv_out is not None else (dummy, dummy)
+
+    block_m = 16 if n <= 16 else (32 if n <= 32 else 64)
+    grid = (triton.cdiv(n, block_m), layers * 2 * nkv)
+    args = (
+        states, states.stride(0),
+        positions,
+        rejected_rows.view(torch.uint8) if rejected_rows is not None else dummy,
+        w.hidden_norm_weight, w.rejected_embedding,
+        w.kv_weight, w.kv_weight.stride(0), w.kv_weight.stride(1),
+        w.kv_bias if w.kv_bias is not None else dummy,
+        k_norm, k_norm.stride(0),
+        w.cos_sin_cache, w.cos_sin_cache.stride(0),
+        k_out, v_out,
+        *cache_args,
+        n, hidden, w.eps,
+    )
+    meta = dict(
+        NUM_KV_HEADS=nkv,
+        HEAD_DIM=hd,
+        ROT_DIM=rot,
+        HALF_PAD=max(16, triton.next_power_of_2(hd // 2)),
+        IS_NEOX=w.is_neox_style,
+        HAS_REJECTED=rejected_rows is not None,
+        HAS_BIAS=w.kv_bias is not None,
+        WRITE_KV=kv_out is not None,
+        WRITE_CACHE=cache is not None,
+        BLOCK_M=block_m,
+        BLOCK_K=64,
+        PRECISION="ieee" if states.dtype == torch.float32 else "tf32",
+        num_warps=8,
+        num_stages=3,
+    )
+    return grid, args, meta
+
+
+def _launch(
+    states: torch.Tensor,
+    positions: torch.Tensor,
+    rejected_rows: torch.Tensor | None,
+    w: ContextProjectionWeights,
+    kv_out: tuple[torch.Tensor, torch.Tensor] | None,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> None:
+    if states.shape[0] == 0:
+        return
+    grid, args, meta = projection_launch(states, positions, rejected_rows, w, kv_out, cache)
+    _project_context_kv_kernel[grid](*args, **meta)
+
+
+def project_context_kv_triton(
+    states: torch.Tensor,
+    positions: torch.Tensor,
+    rejected_rows: torch.Tensor | None,
+    w: ContextProjectionWeights,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `project_context_kv_reference`: K, V [layers, N, kv_heads, hd]."""
+    shape = (w.num_layers, states.shape[0], w.num_kv_heads, w.head_dim)
+    k = torch.empty(shape, dtype=states.dtype, device=states.device)
+    v = torch.empty_like(k)
+    _launch(states, positions, rejected_rows, w, (k, v), None)
+    return k, v
+
+
+def project_context_kv_into_cache_triton(
+    states: torch.Tensor,
+    positions: torch.Tensor,
+    rejected_rows: torch.Tensor | None,
+    w: ContextProjectionWeights,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """Project and write straight into paged caches, skipping the K/V round trip.
+
+    Caches are [layers, num_blocks, block_size, kv_heads, head_dim] (every
+    layer's cache in the layout of `carryover_attention`); row r goes to flat
+    slot `slot_mapping[r]` (block * block_size + offset) of every layer, and a
+    negative slot skips the row (vLLM's padding convention).
+    """
+    _launch(states, positions, rejected_rows, w, None, (slot_mapping, k_cache, v_cache))
