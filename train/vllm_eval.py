@@ -50,6 +50,8 @@ def evaluate(target: str, drafter: str, data: str, methods: list[str], num_promp
 def _run_job(inp: Path, out: Path) -> None:
     from vllm import LLM, SamplingParams
 
+    from vllm_carryover.metrics import acceptance_length, spec_decode_counters
+
     job = json.loads(inp.read_text())
     engine: dict[str, Any] = {"dtype": "bfloat16", "enforce_eager": True, "max_model_len": 1024,
                                   "kv_cache_memory_bytes": 1 << 30, "disable_log_stats": False}
@@ -61,18 +63,13 @@ def _run_job(inp: Path, out: Path) -> None:
     outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params,
                         use_tqdm=False)
     seconds = time.perf_counter() - start
-    counters: dict[str, Any] = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode") and hasattr(m, "value"):
-            counters[m.name.removeprefix("vllm:")] = m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            counters["accepted_per_pos"] = list(m.values)
+    counters = spec_decode_counters(llm)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     res: dict[str, Any] = {"output_tokens": n_out, "seconds": round(seconds, 2),
-                               "tokens_per_s": round(n_out / seconds, 1), "counters": counters}
-    drafts = counters.get("spec_decode_num_drafts", 0)
-    if drafts:
-        res["tau"] = round(1 + counters["spec_decode_num_accepted_tokens"] / drafts, 4)
+                           "tokens_per_s": round(n_out / seconds, 1), "counters": counters}
+    tau = acceptance_length(counters)
+    if tau is not None:
+        res["tau"] = round(tau, 4)
     out.write_text(json.dumps(res))
 
 
