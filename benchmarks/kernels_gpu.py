@@ -1,7 +1,7 @@
 """GPU benchmark of the carryover kernels: Triton vs PyTorch reference vs unfused PyTorch.
 
-    python benchmarks/kernels_gpu.py --out results/kernels_gpu.json    # on a CUDA GPU
-    python benchmarks/kernels_gpu.py --smoke --out /tmp/smoke.json     # anywhere (tiny)
+    python benchmarks/kernels_gpu.py --tune --out results/kernels_gpu.json  # on a CUDA GPU
+    python benchmarks/kernels_gpu.py --smoke --out /tmp/smoke.json          # anywhere (tiny)
 
 Needs only torch and triton (no vLLM). For every shape it first checks the
 Triton kernels against their references, then times them with CUDA events
@@ -14,9 +14,19 @@ Goals (issue 5), both written to the JSON under "goals":
 - projection: the fused Triton projection is at least 3x faster than the
   unfused PyTorch ops of the reference at batch 32.
 
---smoke runs tiny shapes; without CUDA it sets TRITON_INTERPRET=1 (before any
-kernel module is imported) and times with a wall clock, so its numbers only
-prove that every code path runs.
+Timed paths. Projection: Triton (K/V out, and straight into paged caches), the
+reference (`project_context_kv_reference`: one GEMM plus ~30 small PyTorch
+ops), the reference followed by a cache scatter, and an unfused per-layer path
+(separate K and V GEMMs, norm and RoPE per layer). Attention: Triton over
+context + slot + block and over context + block, the per-request reference,
+and an unfused path (gather through the block table into padded tensors, then
+one masked SDPA).
+
+--tune adds tile sweeps of both kernels (projection at batch 32, attention at
+32 x 2048) to choose their default tiles from: the defaults are only known to
+compile without register spills, not tuned. --smoke runs tiny shapes; without
+CUDA it sets TRITON_INTERPRET=1 (before any kernel module is imported) and
+times with a wall clock, so its numbers only prove that every code path runs.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes, few reps; runs on CPU under TRITON_INTERPRET=1")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default bfloat16 (smoke: float16)")
-    drafter = p.add_argument_group("drafter (default: Qwen3-8B-sized DFlash drafter)")
+    drafter = p.add_argument_group("drafter shape (default: Qwen3-8B-sized, 5 layers)")
     drafter.add_argument("--hidden", type=int, default=4096)
     drafter.add_argument("--layers", type=int, default=5)
     drafter.add_argument("--heads", type=int, default=32)
@@ -61,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="attention BATCHxCONTEXT list")
     runs.add_argument("--reps", type=int, default=50)
     runs.add_argument("--warmup", type=int, default=10)
+    runs.add_argument("--tune", action="store_true",
+                      help="also time alternative tile configurations of both kernels "
+                           "(projection at batch 32, attention at 32x2048)")
     args = p.parse_args(argv)
     if args.smoke:
         args.hidden, args.layers, args.heads, args.kv_heads, args.head_dim = 96, 2, 4, 2, 64
@@ -301,6 +314,71 @@ def bench_attention(args: argparse.Namespace, device: torch.device, timer: Timer
     return results
 
 
+def time_configs(timer: Timer, configs: list[dict[str, int]],
+                 launches_for: Callable[[dict[str, int]], list[Any]],
+                 check: Callable[[], bool]) -> dict[str, Any]:
+    """Time each tile configuration of one kernel call; a failing one records its error."""
+    rows = []
+    for tiles in configs:
+        try:
+            launches = launches_for(tiles)
+
+            def run(launches: list[Any] = launches) -> None:
+                for kernel, grid, kernel_args, meta in launches:
+                    kernel[grid](*kernel_args, **meta)
+
+            run()
+            rows.append({"tiles": tiles, "correct": check(), "ms": timer.ms(run)})
+        except Exception as e:  # out of shared memory, compile errors: part of the answer
+            rows.append({"tiles": tiles, "error": f"{type(e).__name__}: {e}"[:300]})
+    timed = [r for r in rows if "ms" in r and r["correct"]]
+    best = min(timed, key=lambda r: r["ms"]) if timed else None
+    return {"configs": rows, "best": best}
+
+
+def tune(args: argparse.Namespace, device: torch.device, timer: Timer) -> dict[str, Any]:
+    """Tile sweeps for the heuristics: projection at batch 32, attention at 32 x 2048."""
+    from kernels.carryover_attention import carryover_attention_reference
+    from kernels.carryover_attention_triton import attention_launches
+    from kernels.carryover_projection import project_context_kv_reference
+    from kernels.carryover_projection_triton import projection_launches
+    from kernels.testing import random_paged_batch, random_projection_weights, random_verify_rows
+
+    gen = torch.Generator(device=device).manual_seed(2)
+    batch, context = (2, 10) if args.smoke else (32, 2048)
+    w = random_projection_weights(gen, hidden=args.hidden, num_layers=args.layers,
+                                  num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                                  dtype=args.dtype)
+    r = random_verify_rows(gen, batch=batch, rows_per_request=args.num_spec_tokens + 1,
+                           hidden=args.hidden, dtype=args.dtype)
+    call = (r.states, r.positions, r.rejected_rows, w)
+    k_ref, v_ref = project_context_kv_reference(*call)
+    k, v = torch.empty_like(k_ref), torch.empty_like(v_ref)
+    gemm_configs = [dict(BLOCK_M=m, BLOCK_K=bk, num_warps=nw, num_stages=st)
+                    for m in (64, 128) for bk in (64, 128) for nw in (4, 8) for st in (3, 4)]
+    projection = time_configs(
+        timer, gemm_configs[:2] if args.smoke else gemm_configs,
+        lambda tiles: projection_launches(*call, (k, v), None, tiles=tiles),
+        lambda: max_error(k, k_ref)[1] and max_error(v, v_ref)[1])
+
+    q_len = args.num_spec_tokens + 1
+    pb = random_paged_batch(gen, context_lens=[context] * batch,
+                            slot_lens=[args.num_spec_tokens] * batch, query_lens=[q_len] * batch,
+                            num_heads=args.heads, num_kv_heads=args.kv_heads,
+                            head_dim=args.head_dim, page_size=args.page_size, dtype=args.dtype)
+    ref = carryover_attention_reference(*pb.args(), causal=args.causal)
+    out = torch.empty_like(ref)
+    attention_configs = [dict(BLOCK_N=bn, num_warps=nw, num_stages=st)
+                         for bn in (32, 64, 128) for nw in (4, 8) for st in (2, 3)]
+    attention = time_configs(
+        timer, attention_configs[:2] if args.smoke else attention_configs,
+        lambda tiles: attention_launches(*pb.args(), out, causal=args.causal, scale=None,
+                                         max_query_len=q_len, tiles=tiles),
+        lambda: max_error(out, ref)[1])
+    return {"projection": {"batch": batch, **projection},
+            "attention": {"batch": batch, "context": context, **attention}}
+
+
 def goals(projection: list[dict], attention: list[dict], meaningful: bool) -> dict[str, Any]:
     """The issue's two goals, from the measured cases."""
     worst = max(attention, key=lambda r: r["slot_over_context_alone"])
@@ -342,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         projection = bench_projection(args, device, timer)
         attention = bench_attention(args, device, timer)
+        tuning = tune(args, device, timer) if args.tune else None
     config = {k: (str(v) if isinstance(v, (Path, torch.dtype)) else v)
               for k, v in vars(args).items()}
     result = {
@@ -354,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         "projection": projection,
         "attention": attention,
         "goals": goals(projection, attention, meaningful=cuda and not args.smoke),
+        "tuning": tuning,
     }
     text = json.dumps(result, indent=2)
     if args.out:

@@ -1,7 +1,7 @@
 """Kernels of the carryover drafting path, each beside its PyTorch reference.
 
-One dispatcher for all of them: Triton when this process sees a CUDA (or ROCm)
-device and Triton is installed, the PyTorch reference everywhere else. The
+One dispatcher for all of them: Triton when this process sees a CUDA device
+and Triton is installed, the PyTorch reference everywhere else. The
 choice is made once, at import, and can be overridden for tests and benchmarks
 by `VLLM_CARRYOVER_KERNELS=triton|reference` (read at import) or by
 `use_kernels(...)` at any time. The Triton modules are imported only when

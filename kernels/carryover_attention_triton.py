@@ -101,7 +101,11 @@ def _carryover_attention_kernel(
                  mask=row_ok[:, None] & d_ok[None, :])
 
 
-def attention_launch(
+Launch = tuple[Any, tuple[int, ...], tuple[Any, ...], dict[str, Any]]  # kernel, grid, args, meta
+ATTENTION_TILES = {"BLOCK_N", "num_warps", "num_stages"}
+
+
+def attention_launches(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -113,11 +117,14 @@ def attention_launch(
     causal: bool,
     scale: float | None,
     max_query_len: int,
-) -> tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any]]:
-    """Grid, arguments and meta-parameters of one launch (also used to compile offline).
+    tiles: dict[str, int] | None = None,
+) -> list[Launch]:
+    """The single launch of one attention call (also used to compile it offline).
 
-    Tile sizes keep every configuration free of register spills on sm_90 in
-    16-bit dtypes (checked by tests/kernel_compile.py); they are not tuned on a GPU yet.
+    BLOCK_M follows from the block and GQA sizes. The default BLOCK_N and warps
+    keep the kernel free of register spills on sm_90 in bfloat16 (checked by
+    tests/kernel_compile.py); they are not tuned on a GPU yet. `tiles` overrides
+    BLOCK_N, num_warps or num_stages (for tuning).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -140,6 +147,10 @@ def attention_launch(
             seq_lens, query_start_loc,
             out, out.stride(0), out.stride(1),
             scale * math.log2(math.e))
+    tiles = {"BLOCK_N": 64, "num_warps": 4 if block_m * head_dim_pad <= 32 * 128 else 8,
+             "num_stages": 2, **(tiles or {})}
+    if set(tiles) != ATTENTION_TILES:
+        raise ValueError(f"tiles: only {sorted(ATTENTION_TILES)} can be set, got {sorted(tiles)}")
     meta = dict(
         PAGE_SIZE=k_cache.shape[1],
         GROUP=group,
@@ -147,12 +158,10 @@ def attention_launch(
         HEAD_DIM_PAD=head_dim_pad,
         CAUSAL=causal,
         BLOCK_M=block_m,
-        BLOCK_N=32 if block_m * head_dim_pad > 64 * 128 else 64,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if head_dim_pad <= 64 and block_m <= 64 else 8,
-        num_stages=2,
+        **tiles,
     )
-    return grid, args, meta
+    return [(_carryover_attention_kernel, grid, args, meta)]
 
 
 def carryover_attention_triton(
@@ -170,14 +179,15 @@ def carryover_attention_triton(
     """Triton version of `carryover_attention_reference` (same arguments and result).
 
     Pass `max_query_len` (vLLM's metadata has it) to avoid a device-to-host sync.
+    Rows of `q` past `query_start_loc[-1]` (padding) are left unwritten.
     """
     out = torch.empty_like(q)
     if q.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    grid, args, meta = attention_launch(q, k_cache, v_cache, block_table, seq_lens,
-                                        query_start_loc, out, causal=causal, scale=scale,
-                                        max_query_len=max_query_len)
-    _carryover_attention_kernel[grid](*args, **meta)
+    for kernel, grid, args, meta in attention_launches(
+            q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, causal=causal,
+            scale=scale, max_query_len=max_query_len):
+        kernel[grid](*args, **meta)
     return out

@@ -1,23 +1,29 @@
 """Triton fused context K/V projection (semantics: `project_context_kv_reference`).
 
-One launch does the whole context path for every row of the batch, committed
-and rejected alike: hidden RMSNorm -> + rejected embedding on rejected rows ->
-the K/V GEMM of every drafter layer -> per-head K RMSNorm -> RoPE -> store.
+Two launches do the whole context path for every row of the batch, committed
+and rejected alike, whatever the number of rows per request:
 
-Tiling: program (m, t) computes BLOCK_M rows x one head tile t, where t runs
-over (layer, K|V, kv head) in the order of `kv_weight`'s rows. A head tile is
-the natural GEMM tile here: K-norm reduces over exactly one head and RoPE mixes
-dimensions of one head only, so both run in the GEMM's epilogue on registers.
-RoPE pairs dimension a with b (neox: i with i + rot/2; GPT-J: 2i with 2i + 1),
-so the kernel keeps two accumulators, one for the `a` dimensions and one for
-their `b` partners, each a GEMM against the matching weight rows; rotating is
-then elementwise. Dimensions beyond the rotary dim are paired too and pass
-through unrotated.
+1. `_hidden_norm_kernel`, BLOCK_R rows per program: hidden RMSNorm, then +
+   rejected embedding on rejected rows. It writes the normalized rows once (N x hidden,
+   small) so that the GEMM below streams them like any GEMM operand instead of
+   renormalizing them for each of its column tiles.
+2. `_project_context_kv_kernel`: the K/V GEMM of every drafter layer with
+   per-head K RMSNorm and RoPE in its epilogue, stored as K/V or straight into
+   paged caches.
 
-The hidden norm needs a row's full sum of squares before the GEMM, so each
-program first sweeps its rows once (they are small and stay in L2), then runs
-the GEMM over the normalized rows. Rounding follows the reference: normalized
-states, GEMM output and normed K are rounded to the states' dtype.
+Tiling of the GEMM: program (m, t) computes BLOCK_M rows x one head tile t,
+where t runs over (layer, K|V, kv head) in the order of `kv_weight`'s rows. A
+head tile is the natural column tile here: K-norm reduces over exactly one head
+and RoPE mixes dimensions of one head only, so both run on registers. RoPE pairs
+dimension a with b (neox: i with i + rot/2; GPT-J: 2i with 2i + 1), so the
+kernel keeps two accumulators, one for the `a` dimensions and one for their `b`
+partners, each a GEMM against the matching weight rows; rotating is then
+elementwise. Dimensions beyond the rotary dim are paired too and pass through
+unrotated. Row tiles vary fastest in the grid, so the programs that share a head
+tile's weights run together and the weights come from HBM about once.
+
+Rounding follows the reference: normalized states, GEMM output and normed K are
+rounded to the states' dtype.
 """
 
 from __future__ import annotations
@@ -32,11 +38,51 @@ from kernels.carryover_projection import ContextProjectionWeights
 
 
 @triton.jit
-def _project_context_kv_kernel(
+def _hidden_norm_kernel(
     x_ptr, stride_xm,  # states [N, hidden]
-    pos_ptr,  # [N] positions
     rej_ptr,  # [N] uint8 rejected mask (read when HAS_REJECTED)
     norm_w_ptr, emb_ptr,  # hidden norm weight and rejected embedding [hidden]
+    out_ptr, stride_om,  # normalized rows [N, hidden]
+    N, HIDDEN, eps,
+    HAS_REJECTED: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # rows per program
+    BLOCK_H: tl.constexpr,  # hidden columns per step
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_om
+    dtype = x_ptr.dtype.element_ty
+
+    # Pass 1: each row's sum of squares, BLOCK_H columns at a time.
+    sum_sq = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
+    for h0 in range(0, HIDDEN, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        mask = row_ok[:, None] & (cols < HIDDEN)[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        sum_sq += x * x
+    rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / HIDDEN + eps)
+    if HAS_REJECTED:
+        rejected = tl.load(rej_ptr + rows, mask=row_ok, other=0) != 0
+
+    # Pass 2 (the rows are in L1/L2 by now): normalize, mark, round as the reference does.
+    for h0 in range(0, HIDDEN, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        col_ok = cols < HIDDEN
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        nw = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        xn = (x * rstd[:, None] * nw[None, :]).to(dtype)
+        if HAS_REJECTED:
+            emb = tl.load(emb_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            xn = (xn.to(tl.float32) + tl.where(rejected[:, None], emb[None, :], 0.0)).to(dtype)
+        tl.store(out_rows + cols[None, :], xn, mask=mask)
+
+
+@triton.jit
+def _project_context_kv_kernel(
+    x_ptr, stride_xm,  # normalized states [N, hidden] (from _hidden_norm_kernel)
+    pos_ptr,  # [N] positions
     w_ptr, stride_wn, stride_wk,  # kv_weight [layers * 2 * kv_heads * head_dim, hidden]
     bias_ptr,  # kv_bias (read when HAS_BIAS)
     knorm_ptr, stride_knl,  # K-norm weight [layers, head_dim]
@@ -50,7 +96,6 @@ def _project_context_kv_kernel(
     ROT_DIM: tl.constexpr,
     HALF_PAD: tl.constexpr,  # HEAD_DIM // 2 rounded up to a power of two (>= 16)
     IS_NEOX: tl.constexpr,
-    HAS_REJECTED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     WRITE_KV: tl.constexpr,
     WRITE_CACHE: tl.constexpr,
@@ -69,17 +114,6 @@ def _project_context_kv_kernel(
     row_ok = rows < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
 
-    # Pass 1 over the hidden dim: each row's RMS for the hidden norm.
-    sum_sq = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, HIDDEN, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & (cols < HIDDEN)[None, :],
-                    other=0.0).to(tl.float32)
-        sum_sq += tl.sum(x * x, axis=1)
-    rstd = tl.rsqrt(sum_sq / HIDDEN + eps)
-    if HAS_REJECTED:
-        rejected = tl.load(rej_ptr + rows, mask=row_ok, other=0) != 0
-
     # The head's dimensions as rotary pairs (a[i], b[i]), i < HEAD_DIM // 2.
     i = tl.arange(0, HALF_PAD)
     i_ok = i < HEAD_DIM // 2
@@ -93,24 +127,18 @@ def _project_context_kv_kernel(
     w_a = w_ptr + (tile * HEAD_DIM + dim_a).to(tl.int64)[None, :] * stride_wn
     w_b = w_ptr + (tile * HEAD_DIM + dim_b).to(tl.int64)[None, :] * stride_wn
 
-    # Pass 2: GEMM of the normalized (and marked) rows against the head's weight rows.
+    # GEMM over the hidden dim: [BLOCK_M, BLOCK_K] rows x [BLOCK_K, HALF_PAD] weights, twice.
     acc_a = tl.zeros([BLOCK_M, HALF_PAD], tl.float32)
     acc_b = tl.zeros([BLOCK_M, HALF_PAD], tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < HIDDEN
-        x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                    other=0.0).to(tl.float32)
-        nw = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        xn = (x * rstd[:, None] * nw[None, :]).to(dtype)
-        if HAS_REJECTED:
-            emb = tl.load(emb_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            xn = (xn.to(tl.float32) + tl.where(rejected[:, None], emb[None, :], 0.0)).to(dtype)
+        x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         w_mask = col_ok[:, None] & i_ok[None, :]
-        wa = tl.load(w_a + cols[:, None] * stride_wk, mask=w_mask, other=0.0)  # [BLOCK_K, HALF]
+        wa = tl.load(w_a + cols[:, None] * stride_wk, mask=w_mask, other=0.0)
         wb = tl.load(w_b + cols[:, None] * stride_wk, mask=w_mask, other=0.0)
-        acc_a = tl.dot(xn, wa.to(dtype), acc_a, input_precision=PRECISION)
-        acc_b = tl.dot(xn, wb.to(dtype), acc_b, input_precision=PRECISION)
+        acc_a = tl.dot(x, wa.to(dtype), acc_a, input_precision=PRECISION)
+        acc_b = tl.dot(x, wb.to(dtype), acc_b, input_precision=PRECISION)
 
     # Epilogue on registers: bias, K-norm and RoPE (K tiles only), store.
     if HAS_BIAS:
@@ -155,19 +183,24 @@ def _project_context_kv_kernel(
         tl.store(cache_base + dim_b[None, :], out_b.to(dtype), mask=cache_mask)
 
 
-def projection_launch(
+Launch = tuple[Any, tuple[int, ...], tuple[Any, ...], dict[str, Any]]  # kernel, grid, args, meta
+GEMM_TILES = {"BLOCK_M", "BLOCK_K", "num_warps", "num_stages"}
+
+
+def projection_launches(
     states: torch.Tensor,
     positions: torch.Tensor,
     rejected_rows: torch.Tensor | None,
     w: ContextProjectionWeights,
     kv_out: tuple[torch.Tensor, torch.Tensor] | None,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-) -> tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any]]:
-    """Grid, arguments and meta-parameters of one launch (also used to compile offline).
+    tiles: dict[str, int] | None = None,
+) -> list[Launch]:
+    """The two launches of one projection (also used to compile them offline).
 
-    One launch covers all rows and head tiles. Tile sizes keep every
-    configuration free of register spills on sm_90 (checked by
-    tests/kernel_compile.py); they are not tuned on a GPU yet.
+    The GEMM's default tiles keep it free of register spills on sm_90 in
+    bfloat16 (checked by tests/kernel_compile.py); they are not tuned on a GPU
+    yet. `tiles` overrides BLOCK_M, BLOCK_K, num_warps or num_stages (for tuning).
     """
     n, hidden = states.shape
     hd, nkv, layers = w.head_dim, w.num_kv_heads, w.num_layers
@@ -178,6 +211,24 @@ def projection_launch(
         raise ValueError(f"kv_weight {tuple(w.kv_weight.shape)} does not match the config")
     if states.stride(1) != 1 or w.cos_sin_cache.stride(1) != 1:
         raise ValueError("states and cos_sin_cache need a contiguous last dim")
+    for name, t in [("positions", positions), ("rejected_rows", rejected_rows),
+                    ("slot_mapping", cache[0] if cache is not None else None)]:
+        if t is not None and t.shape != (n,):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({n},): one per row")
+    normed = torch.empty((n, hidden), dtype=states.dtype, device=states.device)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    block_r = max(1, min(16, 4096 // block_h))  # 4 rows x 1024 columns at hidden >= 1024
+    norm = (
+        _hidden_norm_kernel, (triton.cdiv(n, block_r),),
+        (states, states.stride(0),
+         rejected_rows.view(torch.uint8) if rejected_rows is not None else states,
+         w.hidden_norm_weight, w.rejected_embedding,
+         normed, normed.stride(0),
+         n, hidden, w.eps),
+        dict(HAS_REJECTED=rejected_rows is not None, BLOCK_R=block_r, BLOCK_H=block_h,
+             num_warps=4),
+    )
+
     k_norm = w.k_norm_weight.reshape(layers, hd)
     dummy = states  # never read: the matching constexpr flag is off
     if cache is not None:
@@ -192,42 +243,37 @@ def projection_launch(
     else:
         cache_args = (dummy, dummy, dummy, 0, 0, 0)
     k_out, v_out = kv_out if kv_out is not None else (dummy, dummy)
-
-    block_m = 16 if n <= 16 else (32 if n <= 32 else 64)
-    grid = (triton.cdiv(n, block_m), layers * 2 * nkv)
-    args = (
-        states, states.stride(0),
-        positions,
-        rejected_rows.view(torch.uint8) if rejected_rows is not None else dummy,
-        w.hidden_norm_weight, w.rejected_embedding,
-        w.kv_weight, w.kv_weight.stride(0), w.kv_weight.stride(1),
-        w.kv_bias if w.kv_bias is not None else dummy,
-        k_norm, k_norm.stride(0),
-        w.cos_sin_cache, w.cos_sin_cache.stride(0),
-        k_out, v_out,
-        *cache_args,
-        n, hidden, w.eps,
+    block_m = min(128, max(16, triton.next_power_of_2(n)))
+    tiles = {"BLOCK_M": block_m, "BLOCK_K": 64, "num_warps": 4 if block_m <= 32 else 8,
+             "num_stages": 3, **(tiles or {})}
+    if set(tiles) != GEMM_TILES:
+        raise ValueError(f"tiles: only {sorted(GEMM_TILES)} can be set, got {sorted(tiles)}")
+    gemm = (
+        _project_context_kv_kernel, (triton.cdiv(n, tiles["BLOCK_M"]), layers * 2 * nkv),
+        (normed, normed.stride(0),
+         positions,
+         w.kv_weight, w.kv_weight.stride(0), w.kv_weight.stride(1),
+         w.kv_bias if w.kv_bias is not None else dummy,
+         k_norm, k_norm.stride(0),
+         w.cos_sin_cache, w.cos_sin_cache.stride(0),
+         k_out, v_out,
+         *cache_args,
+         n, hidden, w.eps),
+        dict(NUM_KV_HEADS=nkv,
+             HEAD_DIM=hd,
+             ROT_DIM=rot,
+             HALF_PAD=max(16, triton.next_power_of_2(hd // 2)),
+             IS_NEOX=w.is_neox_style,
+             HAS_BIAS=w.kv_bias is not None,
+             WRITE_KV=kv_out is not None,
+             WRITE_CACHE=cache is not None,
+             PRECISION="ieee" if states.dtype == torch.float32 else "tf32",
+             **tiles),
     )
-    meta = dict(
-        NUM_KV_HEADS=nkv,
-        HEAD_DIM=hd,
-        ROT_DIM=rot,
-        HALF_PAD=max(16, triton.next_power_of_2(hd // 2)),
-        IS_NEOX=w.is_neox_style,
-        HAS_REJECTED=rejected_rows is not None,
-        HAS_BIAS=w.kv_bias is not None,
-        WRITE_KV=kv_out is not None,
-        WRITE_CACHE=cache is not None,
-        BLOCK_M=block_m,
-        BLOCK_K=64,
-        PRECISION="ieee" if states.dtype == torch.float32 else "tf32",
-        num_warps=8,
-        num_stages=3,
-    )
-    return grid, args, meta
+    return [norm, gemm]
 
 
-def _launch(
+def _run(
     states: torch.Tensor,
     positions: torch.Tensor,
     rejected_rows: torch.Tensor | None,
@@ -235,10 +281,12 @@ def _launch(
     kv_out: tuple[torch.Tensor, torch.Tensor] | None,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
 ) -> None:
+    """Launch both kernels; an empty batch launches nothing."""
     if states.shape[0] == 0:
         return
-    grid, args, meta = projection_launch(states, positions, rejected_rows, w, kv_out, cache)
-    _project_context_kv_kernel[grid](*args, **meta)
+    for kernel, grid, args, meta in projection_launches(states, positions, rejected_rows, w,
+                                                        kv_out, cache):
+        kernel[grid](*args, **meta)
 
 
 def project_context_kv_triton(
@@ -251,7 +299,7 @@ def project_context_kv_triton(
     shape = (w.num_layers, states.shape[0], w.num_kv_heads, w.head_dim)
     k = torch.empty(shape, dtype=states.dtype, device=states.device)
     v = torch.empty_like(k)
-    _launch(states, positions, rejected_rows, w, (k, v), None)
+    _run(states, positions, rejected_rows, w, (k, v), None)
     return k, v
 
 
@@ -271,4 +319,4 @@ def project_context_kv_into_cache_triton(
     slot `slot_mapping[r]` (block * block_size + offset) of every layer, and a
     negative slot skips the row (vLLM's padding convention).
     """
-    _launch(states, positions, rejected_rows, w, None, (slot_mapping, k_cache, v_cache))
+    _run(states, positions, rejected_rows, w, None, (slot_mapping, k_cache, v_cache))

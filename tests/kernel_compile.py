@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.carryover_attention_triton import _carryover_attention_kernel, attention_launch
-from kernels.carryover_projection_triton import _project_context_kv_kernel, projection_launch
+from kernels.carryover_attention_triton import Launch, attention_launches
+from kernels.carryover_projection_triton import projection_launches
 from kernels.testing import random_paged_batch, random_projection_weights, random_verify_rows
 
 ARCH = 90  # sm_90: H100 / H200
@@ -59,25 +59,26 @@ def compile_launch(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -> 
     return int(registers.group(1)), int(spills.group(1))
 
 
-def attention_launches() -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
+def attention_cases() -> list[tuple[str, Launch]]:
     """Representative draft-block attention launches (one drafter layer)."""
     cases = []
     for head_dim, heads, kv_heads, q_len, causal in [
-        (128, 32, 8, 8, False), (128, 32, 8, 8, True), (128, 32, 4, 16, False),
+        (128, 32, 8, 8, False), (128, 32, 8, 8, True), (128, 32, 4, 8, False),
+        (128, 32, 4, 16, False),
         (128, 16, 16, 8, False), (64, 8, 1, 16, False), (64, 16, 16, 4, False),
     ]:
         gen = torch.Generator().manual_seed(0)
         pb = random_paged_batch(gen, context_lens=[5, 20], slot_lens=[2, 0],
                                 query_lens=[q_len] * 2, num_heads=heads, num_kv_heads=kv_heads,
                                 head_dim=head_dim, page_size=16, dtype=torch.bfloat16)
-        _, args, meta = attention_launch(*pb.args(), torch.empty_like(pb.q), causal=causal,
-                                         scale=None, max_query_len=q_len)
+        [launch] = attention_launches(*pb.args(), torch.empty_like(pb.q), causal=causal,
+                                      scale=None, max_query_len=q_len)
         name = f"attention hd={head_dim} gqa={heads // kv_heads} block={q_len} causal={causal}"
-        cases.append((name, args, meta))
+        cases.append((name, launch))
     return cases
 
 
-def projection_launches() -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
+def projection_cases() -> list[tuple[str, Launch]]:
     """Representative fused-projection launches (bf16, Qwen3-like head layout)."""
     cases = []
     for rows, head_dim, rotary, neox, bias, into_cache in [
@@ -85,21 +86,21 @@ def projection_launches() -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
         (256, 128, 128, True, False, True), (32, 64, 32, False, True, False),
     ]:
         gen = torch.Generator().manual_seed(0)
-        w = random_projection_weights(gen, hidden=256, num_layers=2, num_kv_heads=8,
+        w = random_projection_weights(gen, hidden=4096, num_layers=2, num_kv_heads=8,
                                       head_dim=head_dim, dtype=torch.bfloat16,
                                       rotary_dim=rotary, is_neox=neox, bias=bias)
-        r = random_verify_rows(gen, batch=rows // 8, rows_per_request=8, hidden=256,
+        r = random_verify_rows(gen, batch=rows // 8, rows_per_request=8, hidden=4096,
                                dtype=torch.bfloat16)
         k = torch.empty(2, rows, 8, head_dim, dtype=torch.bfloat16)
         cache_shape = (2, rows // 16 + 1, 16, 8, head_dim)  # [layers, blocks, page, kv, hd]
         cache = (torch.arange(rows), torch.empty(cache_shape, dtype=torch.bfloat16),
                  torch.empty(cache_shape, dtype=torch.bfloat16))
-        _, args, meta = projection_launch(r.states, r.positions, r.rejected_rows, w,
-                                          None if into_cache else (k, torch.empty_like(k)),
-                                          cache if into_cache else None)
-        name = (f"projection rows={rows} hd={head_dim} rot={rotary} neox={neox} bias={bias} "
+        launches = projection_launches(r.states, r.positions, r.rejected_rows, w,
+                                       None if into_cache else (k, torch.empty_like(k)),
+                                       cache if into_cache else None)
+        name = (f"rows={rows} hd={head_dim} rot={rotary} neox={neox} bias={bias} "
                 f"into_cache={into_cache}")
-        cases.append((name, args, meta))
+        cases += [(f"projection {launch[0].__name__} {name}", launch) for launch in launches]
     return cases
 
 
@@ -111,19 +112,17 @@ def main() -> int:
         print(f"cannot check: this Triton lacks {e.name}")
         return 3
     failed = 0
-    for kernel, launches in [(_carryover_attention_kernel, attention_launches()),
-                             (_project_context_kv_kernel, projection_launches())]:
-        for name, args, meta in launches:
-            try:
-                registers, spills = compile_launch(kernel, args, meta)
-            except Exception as e:  # a compile error is the finding
-                print(f"FAIL {name}: {type(e).__name__}: {e}")
-                failed += 1
-                continue
-            status = "ok" if spills == 0 else "FAIL"
-            failed += spills > 0
-            print(f"{status:4} {name}: {registers} registers, {spills} bytes spilled "
-                  f"(BLOCK_M={meta['BLOCK_M']}, warps={meta['num_warps']})")
+    for name, (kernel, _, args, meta) in attention_cases() + projection_cases():
+        try:
+            registers, spills = compile_launch(kernel, args, meta)
+        except Exception as e:  # a compile error is the finding
+            print(f"FAIL {name}: {type(e).__name__}: {e}")
+            failed += 1
+            continue
+        status = "ok" if spills == 0 else "FAIL"
+        failed += spills > 0
+        tiles = {k: v for k, v in meta.items() if k.startswith("BLOCK") or k == "num_warps"}
+        print(f"{status:4} {name}: {registers} registers, {spills} bytes spilled {tiles}")
     return 1 if failed else 0
 
 

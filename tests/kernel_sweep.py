@@ -42,14 +42,14 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype)
 
 
 def projection_case(rng: random.Random, i: int, device: str) -> tuple[str, list[str]]:
-    """One random shape of the fused projection, plain and into a paged cache."""
+    """One random shape of the fused projection; every other case also into a paged cache."""
     dtype = DTYPES[i % 2]
     batch = (1, 64)[i] if i < 2 else rng.randint(1, 64)
     rows = rng.randint(4, 16)  # drafter block size: K + 1 verify rows per request
-    head_dim = (64, 128)[(i // 2) % 2]
+    head_dim = 96 if i % 10 == 9 else (64, 128)[(i // 2) % 2]  # 96: padded tiles
     rotary = rng.choice((head_dim, head_dim // 2))
-    hidden = rng.choice((32, 48, 96))  # small: the interpreter is slow; 48, 96 cross tiles
-    layers, kv_heads = rng.randint(1, 3), rng.randint(1, 2)
+    hidden = rng.choice((32, 32, 96))  # small: the interpreter is slow; 96 crosses tiles
+    layers, kv_heads = rng.randint(1, 2), rng.randint(1, 2)
     empty, plain = i % 5 == 3, i % 7 == 4  # all slots empty / no rejected mask at all
     neox, bias = rng.random() < 0.7, rng.random() < 0.5
     gen = torch.Generator(device=device).manual_seed(1000 + i)
@@ -67,6 +67,8 @@ def projection_case(rng: random.Random, i: int, device: str) -> tuple[str, list[
     k_ref, v_ref = kernels.project_context_kv_reference(r.states, r.positions, rejected, w)
     k, v = kernels.project_context_kv(r.states, r.positions, rejected, w)
     errors = [_close("K", k, k_ref, dtype), _close("V", v, v_ref, dtype)]
+    if i % 4 not in (1, 2):
+        return name, [e for e in errors if e]
 
     # Into a paged cache of page size 4..16; every 5th row is padding (slot -1).
     page = rng.randint(4, 16)
@@ -88,14 +90,15 @@ def attention_case(rng: random.Random, i: int, device: str) -> tuple[str, list[s
     """One random batch of draft blocks over context + slot in paged K/V."""
     dtype = DTYPES[i % 2]
     causal = (i // 2) % 2 == 1
-    batch = (1, 64)[i // 4] if i < 8 else rng.randint(1, 64)
+    # Batches 1 and 64 first, then mostly small ones: the interpreter pays per program.
+    batch = (1, 64)[i // 4] if i < 8 else rng.choice((rng.randint(1, 16), rng.randint(1, 64)))
     block = rng.randint(4, 16)  # drafter block size K + 1 = query tokens per request
-    head_dim = rng.choice((64, 128))
+    head_dim = 96 if i % 10 == 9 else rng.choice((64, 128))  # 96: padded tiles
     group = {0: 1, 1: 8, 2: 8, 3: 1}.get(i, rng.randint(1, 8))  # GQA ratio
     kv_heads = rng.randint(1, 2)
     page = rng.randint(4, 16)
     empty = i % 6 == 5  # every slot empty: plain DFlash drafting
-    contexts = [rng.choice((0, 1, rng.randint(1, 40), rng.randint(40, 100))) for _ in range(batch)]
+    contexts = [rng.choice((0, 1, rng.randint(1, 40), rng.randint(50, 90))) for _ in range(batch)]
     slots = [0 if empty or rng.random() < 0.25 else rng.randint(1, block - 1)
              for _ in range(batch)]
     gen = torch.Generator(device=device).manual_seed(2000 + i)
@@ -112,7 +115,7 @@ def attention_case(rng: random.Random, i: int, device: str) -> tuple[str, list[s
 
 CASES: dict[str, tuple[Callable[[random.Random, int, str], tuple[str, list[str]]], int]] = {
     "projection": (projection_case, 20),
-    "attention": (attention_case, 24),
+    "attention": (attention_case, 20),
 }
 
 

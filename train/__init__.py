@@ -1,7 +1,8 @@
-"""Training recipes for carryover drafters (first version: the plain DFlash baseline).
+"""Training recipes for carryover drafters: the plain DFlash baseline and carryover.
 
 Subcommands (`python -m train ...`): `data` builds prompts and the target's own
-greedy responses, `baseline` trains a plain DFlash drafter on them, `export`
+greedy responses, `baseline` trains a plain DFlash drafter on them, `carryover`
+fine-tunes one with parallel draft-verify-draft (rejected states carried over), `export`
 writes the trained drafter as a servable checkpoint folder, and `eval-vllm`
 measures the acceptance length in vLLM. Caches live under
 `~/.cache/vllm-carryover/train/` (or `$VLLM_CARRYOVER_CACHE/train`).

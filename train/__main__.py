@@ -1,4 +1,4 @@
-"""`python -m train {data,baseline,export,eval-vllm}`: the drafter training pipeline."""
+"""`python -m train {data,baseline,carryover,export,eval-vllm}`: the drafter training pipeline."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from train.paths import CHECKPOINTS
 
 
 def default_target() -> str:
@@ -41,6 +43,16 @@ def cmd_baseline(a: argparse.Namespace) -> None:
     if not args.target:
         args.target = default_target()
     print(train_baseline(args))
+
+
+def cmd_carryover(a: argparse.Namespace) -> None:
+    from train.carryover import CarryoverArgs, train_carryover
+
+    args = CarryoverArgs(**{k: v for k, v in vars(a).items()
+                            if k in CarryoverArgs.__dataclass_fields__})
+    if not args.target:
+        args.target = default_target()
+    print(train_carryover(args))
 
 
 def cmd_export(a: argparse.Namespace) -> None:
@@ -98,6 +110,41 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--threads", type=int, default=2)
     b.set_defaults(fn=cmd_baseline)
+
+    c = sub.add_parser(
+        "carryover", help="fine-tune a drafter with parallel draft-verify-draft",
+        description="Carryover training: per sequence and for all anchors at once, draft "
+        "(greedy), verify against the data's tokens, run the target once over all rejected "
+        "drafts (block-sparse mask) and draft again from the next anchor with those rejected "
+        "states carried over. Loss: second draft + --first-draft-weight x first draft. Needs "
+        "the target in memory (float32); costs one extra target pass per sequence.")
+    c.add_argument("--target")
+    c.add_argument("--data", default="smollm2-chat-v1", help="dataset name in the cache")
+    c.add_argument("--run", default="smollm2-carryover", help="run name in the cache")
+    c.add_argument("--init", default=str(CHECKPOINTS / "smollm2-135m-instruct"
+                                         / "dflash-baseline"),
+                   help="start from this drafter folder, or a run name in the cache "
+                   "(its final.pt); default: the shipped SmolLM2 baseline drafter")
+    c.add_argument("--steps", type=int, default=200)
+    c.add_argument("--minutes", type=float, default=0.0,
+                   help="stop after this much training time (0: run all steps)")
+    c.add_argument("--seqs-per-step", type=int, default=4)
+    c.add_argument("--anchors-per-seq", type=int, default=32)
+    c.add_argument("--lr", type=float, default=3e-4)
+    c.add_argument("--warmup", type=int, default=10)
+    c.add_argument("--gamma", type=float, default=4.0)
+    c.add_argument("--first-draft-weight", type=float, default=1.0,
+                   help="lambda: weight of the plain (empty-slot) first-draft loss")
+    c.add_argument("--rejected-lr-mult", type=float, default=10.0,
+                   help="learning-rate multiplier of the rejected embedding (starts at zero)")
+    c.add_argument("--eval-every", type=int, default=50)
+    c.add_argument("--eval-anchors-per-seq", type=int, default=16)
+    c.add_argument("--no-vocab-subset", dest="vocab_subset", action="store_false",
+                   help="full-vocabulary softmax in training (slower on CPU)")
+    c.add_argument("--num-negatives", type=int, default=4096)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--threads", type=int, default=2)
+    c.set_defaults(fn=cmd_carryover)
 
     e = sub.add_parser("export", help="write a trained run as a drafter folder (bf16)")
     e.add_argument("--target")

@@ -83,7 +83,11 @@ class BlockStats:
         return cls(torch.zeros(k), torch.zeros(k))
 
     def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        ok = (logits.argmax(-1) == labels) & (labels != IGNORE)
+        self.add_drafts(logits.argmax(-1), labels)
+
+    def add_drafts(self, drafts: torch.Tensor, labels: torch.Tensor) -> None:
+        """Count greedy drafts [A, K] (token ids) against labels [A, K]."""
+        ok = (drafts == labels) & (labels != IGNORE)
         self.correct += ok.sum(0).float()
         self.total += (labels != IGNORE).sum(0).float()
         full = (labels != IGNORE).all(-1)

@@ -1,0 +1,413 @@
+"""Carryover training: parallel draft-verify-draft over all anchors of a sequence.
+
+Plain DFlash training never shows the drafter a rejected state, so a carryover
+drafter learns to use them here. Per training sequence (true tokens T, cached
+aux target states S) and for all sampled anchors p at once:
+
+1. draft (no gradient, full vocabulary, greedy): the block `[T[p], MASK x K]`
+   over the context states at positions < p gives d_1..d_K;
+2. verify: a = number of leading d_j equal to T[p+j]; ONE target forward over
+   one long sequence with a block-sparse 4D mask gives the target's aux states
+   at every rejected draft d_{a+1}..d_K (positions p+a+1..p+K), exactly the rows
+   vLLM hands the proposer after a verify step;
+3. draft again at p' = p + a + 1 (the target's bonus token, T[p'] since the data
+   are the target's own greedy responses) with context states < p' plus those
+   rejected states as carried-over keys (rejected embedding added), trained on
+   T[p'+1..p'+K].
+
+Loss = weighted CE of the second draft + `first_draft_weight` * the plain
+first-draft loss (keeps the empty-slot case, e.g. the first round after
+prefill, as good as the baseline). Gradients reach every drafter weight
+(fc, the rejected embedding, the layers), never the target.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from train.baseline import Sequence, load_sequences, target_embedding
+from train.data import load_manifest
+from train.dflash_loss import (
+    IGNORE,
+    BlockStats,
+    cosine_lr,
+    make_blocks,
+    sample_anchors,
+    slot_weights,
+    weighted_block_ce,
+)
+from train.paths import CHECKPOINTS, data_dir, run_dir
+from train.target_states import truncated_decoder
+from train.vocab_subset import remap_labels, restricted_head, step_vocab
+from vllm_carryover.checkpoint import DrafterConfig, load_drafter_state
+from vllm_carryover.torch_drafter import TorchDrafter
+
+DEFAULT_INIT = CHECKPOINTS / "smollm2-135m-instruct" / "dflash-baseline"
+
+
+@dataclass
+class CarryoverArgs:
+    target: str = ""
+    data: str = "smollm2-chat-v1"
+    run: str = "smollm2-carryover"
+    init: str = str(DEFAULT_INIT)
+    steps: int = 200
+    minutes: float = 0.0
+    seqs_per_step: int = 4
+    anchors_per_seq: int = 32
+    lr: float = 3e-4
+    warmup: int = 10
+    gamma: float = 4.0
+    first_draft_weight: float = 1.0
+    rejected_lr_mult: float = 10.0
+    eval_every: int = 50
+    eval_anchors_per_seq: int = 16
+    vocab_subset: bool = True
+    num_negatives: int = 4096
+    seed: int = 0
+    threads: int = 2
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Rejected:
+    """Target aux states at the rejected drafts of a set of anchors (R rows)."""
+
+    states: torch.Tensor  # [R, n_layers * H_target]
+    anchor: torch.Tensor  # [R]: index of the anchor (into the anchors tensor)
+    slot: torch.Tensor  # [R]: j - 1 for draft d_j, i.e. position = anchor + 1 + slot
+    target_tokens: int = 0  # length of the verify pass's long sequence (its cost)
+
+
+@dataclass
+class DraftVerifyDraft:
+    """Everything one sequence's draft-verify-draft pass produced."""
+
+    anchors: torch.Tensor  # [A] first-draft anchors
+    drafts: torch.Tensor  # [A, K] greedy first drafts
+    accepted: torch.Tensor  # [A] accepted prefix length a
+    first_logits: torch.Tensor | None  # [A, K, V'] (with grad) or None
+    first_labels: torch.Tensor  # [A, K]
+    keep: torch.Tensor  # [A] bool: anchors with a second draft (p' + K fits)
+    rejected: Rejected  # states of the kept anchors' rejected drafts
+    second_logits: torch.Tensor  # [A', K, V'] with the carried-over states
+    second_labels: torch.Tensor  # [A', K]
+
+
+def accepted_length(drafts: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Greedy verification: the number of leading drafts equal to the true tokens."""
+    return ((drafts == labels) & (labels != IGNORE)).int().cumprod(-1).sum(-1)
+
+
+def second_anchor_ok(anchors: torch.Tensor, accepted: torch.Tensor, k: int,
+                     length: int) -> torch.Tensor:
+    """Anchors whose next block p' = p + a + 1 has all K labels inside the sequence."""
+    return anchors + accepted + 1 + k <= length - 1
+
+
+def context_kv(model: TorchDrafter, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Committed-context K/V [L, T, kv, hd] of a whole sequence (fc, norm, projection)."""
+    return model.context_kv(model.fuse(aux.float()), torch.arange(aux.shape[0]))
+
+
+def block_logits_over(model: TorchDrafter, k: torch.Tensor, v: torch.Tensor,
+                      tokens: torch.Tensor, anchors: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain DFlash (logits [A, K, V], labels [A, K]) over precomputed context K/V."""
+    d = model.config
+    blocks = make_blocks(tokens, anchors, d.block_size, d.mask_token_id, k.shape[1])
+    a = anchors.shape[0]
+    ctx_k = k[:, None].expand(-1, a, -1, -1, -1)
+    ctx_v = v[:, None].expand(-1, a, -1, -1, -1)
+    logits = model(blocks.query_ids, blocks.query_pos, ctx_k, ctx_v, blocks.ctx_mask)
+    return logits[:, 1:], blocks.labels
+
+
+def verify_inputs(tokens: torch.Tensor, anchors: torch.Tensor, drafts: torch.Tensor,
+                  accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                   torch.Tensor, torch.Tensor, int]:
+    """(ids [N], positions [N], visible [N, N] bool, anchor [R], slot [R], true length).
+
+    One long sequence: the true prefix T[0..m] (m = the largest p + a needed),
+    then, per anchor with a < K, its rejected drafts d_{a+1}..d_K at positions
+    p+a+1..p+K. A rejected row sees true positions <= p + a and, causally, its
+    own anchor's rejected rows. Since d_1..d_a equal T[p+1..p+a], this is the
+    target run on T[0..p] + d_1..d_K restricted to the rows that matter; the
+    accepted rows' states are the true states already cached.
+    """
+    k = drafts.shape[1]
+    slots = torch.arange(k)
+    rej = slots[None, :] >= accepted[:, None]  # [A, K]
+    anchor_idx, slot_idx = rej.nonzero(as_tuple=True)  # row-major: grouped by anchor
+    last_true = anchors + accepted  # p + a: the last committed position
+    n_true = int(last_true[anchor_idx].max()) + 1 if anchor_idx.numel() else 0
+    ids = torch.cat([tokens[:n_true], drafts[anchor_idx, slot_idx]])
+    pos = torch.cat([torch.arange(n_true), anchors[anchor_idx] + 1 + slot_idx])
+    n = ids.shape[0]
+    visible = torch.zeros(n, n, dtype=torch.bool)
+    visible[:n_true, :n_true] = torch.ones(n_true, n_true, dtype=torch.bool).tril()
+    visible[n_true:, :n_true] = torch.arange(n_true)[None, :] <= last_true[anchor_idx][:, None]
+    same = anchor_idx[:, None] == anchor_idx[None, :]
+    visible[n_true:, n_true:] = same & (slot_idx[None, :] <= slot_idx[:, None])
+    return ids, pos, visible, anchor_idx, slot_idx, n_true
+
+
+def rejected_states(decoder: Any, tokens: torch.Tensor, anchors: torch.Tensor,
+                    drafts: torch.Tensor, accepted: torch.Tensor,
+                    layer_ids: list[int] | tuple[int, ...]) -> Rejected:
+    """The target's aux states at every rejected draft of every anchor, ONE forward.
+
+    `decoder` is the target's (possibly truncated) decoder stack, as
+    `train.target_states.truncated_decoder` returns it. The block-sparse mask is
+    passed as a 4D additive float mask, which transformers uses as-is (eager and
+    SDPA alike); positions go in as `position_ids`, so RoPE sees the true ones.
+    """
+    ids, pos, visible, anchor_idx, slot_idx, n_true = verify_inputs(
+        tokens, anchors, drafts, accepted)
+    if anchor_idx.numel() == 0:
+        width = decoder.config.hidden_size * len(layer_ids)
+        return Rejected(torch.empty(0, width), anchor_idx, slot_idx)
+    dtype = next(decoder.parameters()).dtype
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible,
+                                                               torch.finfo(dtype).min)
+    with torch.inference_mode():
+        out = decoder(input_ids=ids[None], position_ids=pos[None],
+                      attention_mask=mask[None, None], output_hidden_states=True,
+                      use_cache=False)
+    feats = torch.cat([out.hidden_states[i + 1][0, n_true:] for i in layer_ids], dim=-1)
+    return Rejected(feats.float().clone(), anchor_idx, slot_idx, int(ids.shape[0]))
+
+
+def second_draft_logits(model: TorchDrafter, k: torch.Tensor, v: torch.Tensor,
+                        tokens: torch.Tensor, anchors: torch.Tensor,
+                        accepted: torch.Tensor, rejected: Rejected,
+                        use_slot: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [A, K, V], labels [A, K]) of the blocks at p' = p + a + 1.
+
+    Block i attends to context positions < p' and to its own anchor's rejected
+    states (K slots per block, slot j visible iff j >= a_i, projected at their
+    own positions with the rejected embedding), as the vLLM proposer drafts
+    after a verify step. `rejected.anchor` indexes `anchors`. `use_slot=False`
+    hides the slot: plain DFlash drafting at the same p' (the ablation).
+    """
+    d = model.config
+    kk = d.block_size - 1
+    a = anchors.shape[0]
+    blocks = make_blocks(tokens, anchors + accepted + 1, d.block_size, d.mask_token_id,
+                         k.shape[1])
+    if a == 0:  # no anchor has a next block inside the sequence
+        return k.new_zeros(0, kk, model.lm_head.shape[0]), blocks.labels
+    slot_aux = torch.zeros(a, kk, rejected.states.shape[-1])
+    slot_aux[rejected.anchor, rejected.slot] = rejected.states.float()
+    slot_pos = anchors[:, None] + 1 + torch.arange(kk)[None, :]
+    sk, sv = model.context_kv(model.fuse(slot_aux.flatten(0, 1)), slot_pos.flatten(),
+                              torch.ones(a * kk, dtype=torch.bool))
+    sk = sk.view(sk.shape[0], a, kk, *sk.shape[2:])
+    sv = sv.view(sv.shape[0], a, kk, *sv.shape[2:])
+    ctx_k = torch.cat([k[:, None].expand(-1, a, -1, -1, -1), sk], dim=2)
+    ctx_v = torch.cat([v[:, None].expand(-1, a, -1, -1, -1), sv], dim=2)
+    slot_mask = torch.arange(kk)[None, :] >= accepted[:, None]
+    mask = torch.cat([blocks.ctx_mask, slot_mask & use_slot], dim=1)
+    logits = model(blocks.query_ids, blocks.query_pos, ctx_k, ctx_v, mask)
+    return logits[:, 1:], blocks.labels
+
+
+def draft_verify_draft(model: TorchDrafter, decoder: Any, tokens: torch.Tensor,
+                       aux: torch.Tensor, anchors: torch.Tensor,
+                       head_ids: torch.Tensor | None = None,
+                       first_loss: bool = True) -> DraftVerifyDraft:
+    """The whole pass for one sequence; logits carry gradients into the drafter.
+
+    Drafts are always the full-vocabulary argmax (what inference proposes);
+    `head_ids` restricts only the trained logits (sampled softmax).
+    """
+    d = model.config
+    kk = d.block_size - 1
+    k, v = context_kv(model, aux)
+    with torch.no_grad():
+        full, labels = block_logits_over(model, k.detach(), v.detach(), tokens, anchors)
+        drafts = full.argmax(-1)
+    first = None
+    if first_loss:
+        with restricted_head(model, head_ids):
+            first, _ = block_logits_over(model, k, v, tokens, anchors)
+    accepted = accepted_length(drafts, labels)
+    keep = second_anchor_ok(anchors, accepted, kk, tokens.shape[0])
+    rej = rejected_states(decoder, tokens, anchors[keep], drafts[keep], accepted[keep],
+                          d.target_layer_ids)
+    rej.states = rej.states.to(aux.dtype).float()  # same precision as the cached context
+    with restricted_head(model, head_ids):
+        second, labels2 = second_draft_logits(model, k, v, tokens, anchors[keep],
+                                              accepted[keep], rej)
+    return DraftVerifyDraft(anchors, drafts, accepted, first, labels, keep, rej, second,
+                            labels2)
+
+
+def evaluate(model: TorchDrafter, decoder: Any, seqs: list[Sequence], anchors_per_seq: int,
+             seed: int = 1234) -> dict[str, BlockStats]:
+    """Held-out per-slot accuracy: first draft, second draft with / without the slot."""
+    gen = torch.Generator().manual_seed(seed)
+    kk = model.config.block_size - 1
+    stats = {name: BlockStats.empty(kk) for name in ("first", "second", "second_no_slot")}
+    model.eval()
+    with torch.no_grad():
+        for seq in tqdm(seqs, desc="eval", unit="seq", leave=False):
+            anchors = sample_anchors(seq.response_start, seq.tokens.shape[0] - 1,
+                                     anchors_per_seq, gen)
+            if not anchors.numel():
+                continue
+            r = draft_verify_draft(model, decoder, seq.tokens, seq.aux, anchors,
+                                   first_loss=False)
+            stats["first"].add_drafts(r.drafts, r.first_labels)
+            stats["second"].add(r.second_logits, r.second_labels)
+            k, v = context_kv(model, seq.aux)
+            plain, labels = second_draft_logits(model, k, v, seq.tokens, r.anchors[r.keep],
+                                                r.accepted[r.keep], r.rejected,
+                                                use_slot=False)
+            stats["second_no_slot"].add(plain, labels)
+    model.train()
+    return stats
+
+
+def load_init(init: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+    """(config, float32 state, its training metadata) of a drafter folder or a run name."""
+    path = Path(init)
+    if (path / "config.json").is_file():
+        cfg, state = load_drafter_state(path)
+        return cfg, {k: v.float() for k, v in state.items()}, cfg.get("carryover_config", {})
+    saved = torch.load(run_dir(init) / "final.pt")
+    return saved["config"], saved["state"], saved["meta"]
+
+
+def train_carryover(a: CarryoverArgs) -> Path:
+    """Fine-tune a drafter with draft-verify-draft; save `final.pt` in the run folder."""
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    cfg, state, init_meta = load_init(a.init)
+    cfg = {k: v for k, v in cfg.items() if k != "carryover_config"}
+    dcfg = DrafterConfig.from_dict(cfg)
+    model = TorchDrafter(dcfg, target_embedding(a.target))
+    model.load_checkpoint_state(state)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # the rejected embedding is new (zero) while the rest is trained: let it move faster
+    rest = [p for p in params if p is not model.rejected_embedding]
+    opt = torch.optim.AdamW(
+        [{"params": rest, "lr_mult": 1.0},
+         {"params": [model.rejected_embedding], "lr_mult": a.rejected_lr_mult,
+          "weight_decay": 0.0}],
+        lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    decoder = truncated_decoder(a.target, max(dcfg.target_layer_ids))
+    for p in decoder.parameters():
+        p.requires_grad_(False)
+
+    seqs = load_sequences(a.target, a.data, list(dcfg.target_layer_ids))
+    train, heldout = seqs["train"], seqs["heldout"]
+    weights = slot_weights(dcfg.block_size - 1, a.gamma)
+    data_vocab = torch.unique(torch.cat([s.tokens for s in train])) if a.vocab_subset else None
+    gen = torch.Generator().manual_seed(a.seed)
+    out = run_dir(a.run)
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / "log.jsonl").open("w")
+    evals: list[dict[str, Any]] = []
+    counts = {"first_label_tokens": 0, "second_label_tokens": 0, "anchors": 0,
+              "second_drafts": 0, "carried_states": 0, "target_tokens": 0}
+    train_seconds = 0.0
+    steps_done = 0
+    initial = _summary(evaluate(model, decoder, heldout, a.eval_anchors_per_seq))
+    print("initial heldout " + json.dumps(initial))  # the init drafter, before carryover
+    bar = tqdm(total=a.steps, desc="carryover", unit="step")
+    for step in range(a.steps):
+        t0 = time.perf_counter()
+        progress = step / a.steps
+        if a.minutes > 0:
+            progress = max(progress, train_seconds / (a.minutes * 60))
+        if progress >= 1.0:
+            break
+        lr = cosine_lr(int(progress * a.steps), a.steps, a.warmup, a.lr)
+        for g in opt.param_groups:
+            g["lr"] = lr * g["lr_mult"]
+        picks = torch.randint(len(train), (a.seqs_per_step,), generator=gen).tolist()
+        opt.zero_grad(set_to_none=True)
+        ids = None if data_vocab is None else step_vocab(data_vocab, dcfg.vocab_size,
+                                                          a.num_negatives, gen)
+        total, total2, acc = 0.0, 0.0, 0.0
+        for i in picks:
+            seq = train[i]
+            anchors = sample_anchors(seq.response_start, seq.tokens.shape[0] - 1,
+                                     a.anchors_per_seq, gen)
+            r = draft_verify_draft(model, decoder, seq.tokens, seq.aux, anchors, ids,
+                                   first_loss=a.first_draft_weight > 0)
+            lab2 = r.second_labels if ids is None else remap_labels(
+                r.second_labels, ids, dcfg.vocab_size)
+            loss2, _ = weighted_block_ce(r.second_logits, lab2, weights)
+            loss = loss2
+            if r.first_logits is not None:
+                lab1 = r.first_labels if ids is None else remap_labels(
+                    r.first_labels, ids, dcfg.vocab_size)
+                loss = loss + a.first_draft_weight * weighted_block_ce(
+                    r.first_logits, lab1, weights)[0]
+                counts["first_label_tokens"] += int((r.first_labels != IGNORE).sum())
+            (loss / len(picks)).backward()
+            total += loss.item() / len(picks)
+            total2 += loss2.item() / len(picks)
+            acc += float(r.accepted.float().mean()) / len(picks)
+            counts["second_label_tokens"] += int((r.second_labels != IGNORE).sum())
+            counts["anchors"] += int(anchors.numel())
+            counts["second_drafts"] += int(r.keep.sum())
+            counts["carried_states"] += int(r.rejected.anchor.numel())
+            counts["target_tokens"] += r.rejected.target_tokens
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        steps_done += 1
+        train_seconds += time.perf_counter() - t0
+        log.write(json.dumps({"step": step, "loss": total, "loss_second": total2,
+                              "accepted": acc, "lr": lr, "seconds": train_seconds}) + "\n")
+        bar.update(1)
+        bar.set_postfix(loss=f"{total:.3f}", second=f"{total2:.3f}", acc=f"{acc:.2f}")
+        if a.eval_every and (step + 1) % a.eval_every == 0:
+            st = evaluate(model, decoder, heldout, a.eval_anchors_per_seq)
+            evals.append({"step": step + 1, **_summary(st)})
+            tqdm.write(f"step {step + 1}: " + json.dumps(evals[-1]))
+            log.write(json.dumps(evals[-1]) + "\n")
+        log.flush()
+    bar.close()
+    final = _summary(evaluate(model, decoder, heldout, a.eval_anchors_per_seq))
+    print("final heldout " + json.dumps(final))
+    label_tokens = counts["first_label_tokens"] + counts["second_label_tokens"]
+    meta = {"recipe": "carryover", "steps": steps_done, "trained_label_tokens": label_tokens,
+            **counts, "train_seconds": round(train_seconds, 1),
+            "label_tokens_per_s": round(label_tokens / max(train_seconds, 1e-9), 1),
+            "anchors_per_s": round(counts["anchors"] / max(train_seconds, 1e-9), 2),
+            "init_checkpoint": _display(a.init),
+            "init_meta": {k: init_meta.get(k) for k in (
+                "recipe", "steps", "trained_label_tokens", "train_seconds",
+                "label_tokens_per_s") if k in init_meta},
+            "data": a.data, "data_manifest_sha256": load_manifest(data_dir(a.data))["sha256"],
+            "train_sequences": len(train), "heldout_sequences": len(heldout),
+            "heldout": final, "heldout_initial": initial, "evals": evals,
+            "args": {k: (_display(v) if k == "init" else v)
+                     for k, v in asdict(a).items() if k != "extra"}}
+    path = out / "final.pt"
+    torch.save({"config": cfg, "state": model.checkpoint_state(), "meta": meta}, path)
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return path
+
+
+def _summary(st: dict[str, BlockStats]) -> dict[str, Any]:
+    return {f"{name}_tau": round(s.tau(), 4) for name, s in st.items()} | {
+        f"{name}_acc": s.accuracy() for name, s in st.items()}
+
+
+def _display(init: str) -> str:
+    """An init path relative to the repository when it is inside it (portable metadata)."""
+    try:
+        return str(Path(init).resolve().relative_to(CHECKPOINTS.parent.parent))
+    except ValueError:
+        return init
