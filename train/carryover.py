@@ -231,13 +231,17 @@ def draft_verify_draft(model: TorchDrafter, decoder: Any, tokens: torch.Tensor,
     d = model.config
     kk = d.block_size - 1
     k, v = context_kv(model, aux)
-    with torch.no_grad():
-        full, labels = block_logits_over(model, k.detach(), v.detach(), tokens, anchors)
-        drafts = full.argmax(-1)
     first = None
-    if first_loss:
-        with restricted_head(model, head_ids):
-            first, _ = block_logits_over(model, k, v, tokens, anchors)
+    if first_loss and head_ids is None:  # full-vocabulary loss: one forward does both
+        first, labels = block_logits_over(model, k, v, tokens, anchors)
+        drafts = first.detach().argmax(-1)
+    else:
+        with torch.no_grad():
+            full, labels = block_logits_over(model, k.detach(), v.detach(), tokens, anchors)
+            drafts = full.argmax(-1)
+        if first_loss:
+            with restricted_head(model, head_ids):
+                first, _ = block_logits_over(model, k, v, tokens, anchors)
     accepted = accepted_length(drafts, labels)
     keep = second_anchor_ok(anchors, accepted, kk, tokens.shape[0])
     rej = rejected_states(decoder, tokens, anchors[keep], drafts[keep], accepted[keep],
