@@ -3,7 +3,8 @@
 Tests start engines through this script (`python tests/engine_job.py IN.json
 OUT.json`) so that every engine gets a clean process, as vLLM expects.
 Input keys: model, prompts (list of token-id lists), max_tokens, engine (extra
-LLM kwargs, e.g. speculative_config), temperature, seed.
+LLM kwargs, e.g. speculative_config), temperature, seed; optional seeds (one per
+prompt, replacing seed: repeated prompts then sample independently yet reproducibly).
 Output keys: token_ids, logprobs (top-2 per step, greedy runs), spec (vLLM's
 spec-decode counters), carryover (our counters), seconds.
 """
@@ -32,9 +33,14 @@ def main() -> None:
                   skip_tokenizer_init=True)
     engine.update(job.get("engine", {}))
     llm = LLM(model=job["model"], **engine)
-    params = SamplingParams(temperature=job.get("temperature", 0.0), seed=job.get("seed"),
-                            max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False,
-                            logprobs=2 if job.get("temperature", 0.0) == 0 else None)
+
+    def sampling_params(seed: int | None) -> SamplingParams:
+        return SamplingParams(temperature=job.get("temperature", 0.0), seed=seed,
+                              max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False,
+                              logprobs=2 if job.get("temperature", 0.0) == 0 else None)
+
+    params = ([sampling_params(s) for s in job["seeds"]] if "seeds" in job
+              else sampling_params(job.get("seed")))
     prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)

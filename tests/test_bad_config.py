@@ -2,7 +2,9 @@
 
 The plugin validates inside `EngineArgs.create_speculative_config`, which runs in
 the main process before any engine starts, so most cases build the engine config
-in-process; one case checks that the real `vllm serve` CLI exits with the message.
+in-process. Every bad-input case of issue 7 also runs through the real `vllm serve`
+CLI: it must exit non-zero at startup with a one-line cause, no traceback, its port
+closed and no process of its group left behind.
 """
 
 from __future__ import annotations
@@ -16,11 +18,16 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
+from vllm_carryover import vllm_patches
 from vllm_carryover.checkpoint import WEIGHTS_FILE, CarryoverConfigError
 from vllm_carryover.server_process import free_port
 
@@ -57,6 +64,45 @@ def edit_config(drafter: Path, edit: Any) -> None:
     cfg_file.write_text(json.dumps(cfg))
 
 
+# Ways to break a drafter folder in place, shared by the in-process and CLI cases.
+
+
+def remove_weights(drafter: Path) -> None:
+    (drafter / WEIGHTS_FILE).unlink()
+
+
+def truncate_weights(drafter: Path) -> None:
+    weights = drafter / WEIGHTS_FILE
+    size = weights.stat().st_size
+    with weights.open("r+b") as f:
+        f.truncate(size // 2)
+
+
+def corrupt_weights_header(drafter: Path) -> None:
+    with (drafter / WEIGHTS_FILE).open("r+b") as f:
+        f.write(b"\xff" * 8)
+
+
+def shrink_norm_weight(drafter: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = str(drafter / WEIGHTS_FILE)
+    state = load_file(weights)
+    state["norm.weight"] = state["norm.weight"][:-1].clone()
+    save_file(state, weights)
+
+
+def use_other_vocabulary(drafter: Path) -> None:
+    edit_config(drafter, lambda cfg: cfg.update(vocab_size=32000))
+
+
+def read_layer_beyond_depth(drafter: Path) -> None:
+    def edit(cfg: dict[str, Any]) -> None:
+        cfg["dflash_config"]["target_layer_ids"][-1] = 40
+
+    edit_config(drafter, edit)
+
+
 # -- valid configs ---------------------------------------------------------------------
 
 
@@ -91,6 +137,14 @@ def test_num_speculative_tokens_beyond_block_size_is_refused(smollm2, random_dra
         engine_config(smollm2, carryover(random_drafter, num_speculative_tokens=8))
 
 
+@pytest.mark.parametrize("k", [0, -1])
+def test_num_speculative_tokens_below_one_is_refused(smollm2, random_drafter, k):
+    with pytest.raises(CarryoverConfigError,
+                       match=rf"'num_speculative_tokens' must be at least 1, got {k}; leave "
+                       r"it out"):
+        engine_config(smollm2, carryover(random_drafter, num_speculative_tokens=k))
+
+
 @pytest.mark.parametrize("k", [2.5, "4"])
 def test_non_integer_num_speculative_tokens_is_refused(smollm2, random_drafter, k):
     with pytest.raises(CarryoverConfigError,
@@ -102,6 +156,14 @@ def test_non_bool_carryover_flag_is_refused(smollm2, random_drafter):
     with pytest.raises(CarryoverConfigError,
                        match=r"'carryover' must be true or false, got 'yes'"):
         engine_config(smollm2, carryover(random_drafter, carryover="yes"))
+
+
+def test_wrong_type_for_a_vllm_key_is_refused_in_one_line(smollm2, random_drafter):
+    with pytest.raises(CarryoverConfigError,
+                       match=r"^vLLM refused the carryover speculative config: max_model_len: "
+                       r"Input should be a valid integer.* \(got 'x'\)$") as info:
+        engine_config(smollm2, carryover(random_drafter, max_model_len="x"))
+    assert "\n" not in str(info.value)
 
 
 def test_unpadded_drafter_batch_is_refused(smollm2, random_drafter):
@@ -129,17 +191,14 @@ def test_drafter_for_other_hidden_size_is_refused(smollm2, tmp_path):
 
 
 def test_vocabulary_mismatch_is_refused(smollm2, drafter_copy):
-    edit_config(drafter_copy, lambda cfg: cfg.update(vocab_size=32000))
+    use_other_vocabulary(drafter_copy)
     with pytest.raises(CarryoverConfigError,
                        match=r"vocabulary size 32000 but the target has 49152"):
         engine_config(smollm2, carryover(drafter_copy))
 
 
 def test_target_layer_beyond_target_depth_is_refused(smollm2, drafter_copy):
-    def edit(cfg: dict[str, Any]) -> None:
-        cfg["dflash_config"]["target_layer_ids"][-1] = 40
-
-    edit_config(drafter_copy, edit)
+    read_layer_beyond_depth(drafter_copy)
     with pytest.raises(CarryoverConfigError,
                        match=r"reads target layers \[40\], outside 0\.\.28 of a 30-layer"):
         engine_config(smollm2, carryover(drafter_copy))
@@ -154,45 +213,128 @@ def test_missing_drafter_folder_is_refused(smollm2, tmp_path):
         engine_config(smollm2, carryover(missing))
 
 
+def test_missing_config_json_is_refused(smollm2, drafter_copy):
+    (drafter_copy / "config.json").unlink()
+    with pytest.raises(CarryoverConfigError, match=r"has no config\.json"):
+        engine_config(smollm2, carryover(drafter_copy))
+
+
 def test_missing_weights_file_is_refused(smollm2, drafter_copy):
-    (drafter_copy / WEIGHTS_FILE).unlink()
+    remove_weights(drafter_copy)
     with pytest.raises(CarryoverConfigError, match=rf"has no {WEIGHTS_FILE}"):
         engine_config(smollm2, carryover(drafter_copy))
 
 
 def test_truncated_weights_file_is_refused(smollm2, drafter_copy):
-    weights = drafter_copy / WEIGHTS_FILE
-    size = weights.stat().st_size
-    with weights.open("r+b") as f:
-        f.truncate(size // 2)
+    truncate_weights(drafter_copy)
     with pytest.raises(CarryoverConfigError,
                        match=rf"{WEIGHTS_FILE} is truncated or corrupt \(tensor data ends"):
         engine_config(smollm2, carryover(drafter_copy))
 
 
 def test_corrupt_weights_header_is_refused(smollm2, drafter_copy):
-    weights = drafter_copy / WEIGHTS_FILE
-    with weights.open("r+b") as f:
-        f.write(b"\xff" * 8)
+    corrupt_weights_header(drafter_copy)
     with pytest.raises(CarryoverConfigError,
                        match=rf"{WEIGHTS_FILE} is truncated or corrupt \(header length"):
         engine_config(smollm2, carryover(drafter_copy))
 
 
 def test_tensor_of_wrong_shape_is_refused(smollm2, drafter_copy):
-    from safetensors.torch import load_file, save_file
-
-    weights = str(drafter_copy / WEIGHTS_FILE)
-    state = load_file(weights)
-    state["norm.weight"] = state["norm.weight"][:-1].clone()
-    save_file(state, weights)
+    shrink_norm_weight(drafter_copy)
     with pytest.raises(CarryoverConfigError,
                        match=r"tensor norm\.weight has shape \[575\] but config\.json "
                        r"implies \[576\]"):
         engine_config(smollm2, carryover(drafter_copy))
 
 
+# -- the CLI exception hook --------------------------------------------------------------
+
+
+@pytest.fixture
+def cli_process(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """Pretend to be `vllm serve` with a recording excepthook; returns what it records."""
+    seen: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/vllm", "serve", "model"])
+    monkeypatch.setattr(sys, "excepthook", lambda *exc: seen.append(exc))
+    return seen
+
+
+def test_cli_hook_turns_carryover_error_into_one_line_and_exit_2(cli_process, capsys):
+    vllm_patches._install_cli_excepthook()
+    with pytest.raises(SystemExit) as info:
+        sys.excepthook(CarryoverConfigError, CarryoverConfigError("bad\ndrafter"), None)
+    assert info.value.code == 2
+    assert capsys.readouterr().err == "vllm serve: error: bad drafter\n"
+    assert cli_process == []
+
+
+def test_cli_hook_leaves_other_exceptions_to_the_previous_hook(cli_process, capsys):
+    vllm_patches._install_cli_excepthook()
+    error = RuntimeError("not ours")
+    sys.excepthook(RuntimeError, error, None)
+    assert cli_process == [(RuntimeError, error, None)]
+    assert capsys.readouterr().err == ""
+
+
+def test_cli_hook_is_not_installed_for_library_users(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/python", "my_script.py"])
+    hook = sys.excepthook
+    vllm_patches._install_cli_excepthook()
+    assert sys.excepthook is hook
+
+
 # -- the real CLI ------------------------------------------------------------------------
+
+CLI_TIMEOUT_S = 240
+CLI_WORKERS = 3
+
+
+@dataclass(frozen=True)
+class CliCase:
+    """One bad input for `vllm serve`: how to make it, and what the error line must say."""
+
+    spec: dict[str, Any] | str
+    expected: str
+    break_drafter: Callable[[Path], None] | None = None
+
+
+CLI_CASES: dict[str, CliCase] = {
+    "malformed_json": CliCase('{"method": "carryover", "model": ',
+                              "argument --speculative-config/-sc: Value {"),
+    "unknown_key": CliCase({"bogus": 1}, "unknown key(s) ['bogus']"),
+    "wrong_type_ours": CliCase({"num_speculative_tokens": "4"},
+                               "'num_speculative_tokens' must be an integer, got '4'"),
+    "wrong_type_vllm": CliCase({"max_model_len": "x"},
+                               "vLLM refused the carryover speculative config: max_model_len: "
+                               "Input should be a valid integer"),
+    "k_zero": CliCase({"num_speculative_tokens": 0},
+                      "'num_speculative_tokens' must be at least 1, got 0"),
+    "k_beyond_block": CliCase({"num_speculative_tokens": 8},
+                              "num_speculative_tokens=8 but drafter"),
+    "missing_weights": CliCase({}, f"has no {WEIGHTS_FILE}", remove_weights),
+    "truncated_weights": CliCase({}, "is truncated or corrupt (tensor data ends",
+                                 truncate_weights),
+    "corrupt_header": CliCase({}, "is truncated or corrupt (header length",
+                              corrupt_weights_header),
+    "wrong_shape": CliCase({}, "tensor norm.weight has shape [575] but config.json implies "
+                           "[576]", shrink_norm_weight),
+    "other_vocabulary": CliCase({}, "vocabulary size 32000 but the target has 49152",
+                                use_other_vocabulary),
+    "layer_beyond_depth": CliCase({}, "reads target layers [40], outside 0..28",
+                                  read_layer_beyond_depth),
+}
+
+
+@dataclass(frozen=True)
+class CliRun:
+    """What one `vllm serve` run left behind."""
+
+    returncode: int | None
+    seconds: float
+    stdout: str
+    stderr: str
+    port_open: bool
+    survivors: list[str]
 
 
 def port_is_open(port: int) -> bool:
@@ -201,34 +343,87 @@ def port_is_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_vllm_serve_exits_with_the_message_on_a_bad_config(smollm2, random_drafter,
-                                                            tmp_path):
-    port = free_port()
-    spec = {"method": "carryover", "model": str(random_drafter), "bogus": 1}
-    log = tmp_path / "serve.log"
-    command = [
-        "vllm", "serve", str(smollm2), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-        "--kv-cache-memory-bytes", str(1 << 30), "--speculative-config", json.dumps(spec),
-    ]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        started = time.monotonic()
+def group_members(pgid: int) -> list[str]:
+    """Live processes of process group `pgid`, as "pid name"."""
+    members = []
+    for proc in psutil.process_iter(["pid", "name"]):
         try:
-            rc = proc.wait(timeout=90)
+            if os.getpgid(proc.info["pid"]) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(f"{proc.info['pid']} {proc.info['name']}")
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return members
+
+
+def run_vllm_serve(target: Path, spec_arg: str, log_dir: Path) -> CliRun:
+    """Run `vllm serve` in its own session until it exits (or CLI_TIMEOUT_S passes)."""
+    port = free_port()
+    command = [
+        "vllm", "serve", str(target), "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+        "--kv-cache-memory-bytes", str(1 << 30), "--speculative-config", spec_arg,
+    ]
+    out_file, err_file = log_dir / "stdout.log", log_dir / "stderr.log"
+    with out_file.open("wb") as out, err_file.open("wb") as err:
+        started = time.monotonic()
+        proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            returncode: int | None = proc.wait(timeout=CLI_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"vllm serve still running after 90 s:\n{log.read_text()[-3000:]}")
-        output = log.read_text()
-        assert rc != 0, output[-3000:]
-        assert time.monotonic() - started < 90
-        assert "unknown key(s) ['bogus']" in output, output[-3000:]
-        assert not port_is_open(port)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+            returncode = None
+        seconds = time.monotonic() - started
+    port_open = port_is_open(port)
+    survivors = group_members(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return CliRun(returncode, seconds, out_file.read_text(errors="replace"),
+                  err_file.read_text(errors="replace"), port_open, survivors)
+
+
+@pytest.fixture(scope="module")
+def cli_runs(smollm2: Path, random_drafter: Path,
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, CliRun]:
+    """Every CLI case, CLI_WORKERS at a time: each run spends ~15 s importing vLLM."""
+    root = tmp_path_factory.mktemp("bad_cli")
+    args: dict[str, tuple[str, Path]] = {}
+    for name, case in CLI_CASES.items():
+        case_dir = root / name
+        case_dir.mkdir()
+        drafter = random_drafter
+        if case.break_drafter is not None:
+            drafter = Path(shutil.copytree(random_drafter, case_dir / "drafter"))
+            case.break_drafter(drafter)
+        spec_arg = case.spec if isinstance(case.spec, str) else json.dumps(
+            carryover(drafter, **case.spec))
+        args[name] = (spec_arg, case_dir)
+    started = time.monotonic()
+    with ThreadPoolExecutor(CLI_WORKERS) as pool:
+        futures = {name: pool.submit(run_vllm_serve, smollm2, spec_arg, case_dir)
+                   for name, (spec_arg, case_dir) in args.items()}
+        runs = {name: future.result() for name, future in futures.items()}
+    timings = ", ".join(f"{name} {run.seconds:.0f}s" for name, run in runs.items())
+    print(f"\n{len(runs)} vllm serve runs in {time.monotonic() - started:.0f} s "
+          f"({CLI_WORKERS} at a time): {timings}")
+    return runs
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_vllm_serve_stops_at_startup_with_a_one_line_cause(cli_runs, case):
+    run = cli_runs[case]
+    expected = CLI_CASES[case].expected
+    output = run.stdout + run.stderr
+    assert run.returncode is not None, f"still running after {CLI_TIMEOUT_S} s:\n{output}"
+    assert run.returncode == 2, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    stderr_lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert stderr_lines, output[-3000:]
+    assert stderr_lines[-1].startswith("vllm serve: error: "), run.stderr[-3000:]
+    assert expected in stderr_lines[-1], run.stderr[-3000:]
+    assert sum(expected in line for line in output.splitlines()) == 1, output[-3000:]
+    assert not run.port_open
+    assert run.survivors == []
 
 
 if __name__ == "__main__":

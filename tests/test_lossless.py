@@ -12,30 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from chat_prompts import QUESTIONS
 from engine_runner import run_engine
 
 MAX_TOKENS = 64
 BF16_ROUNDING_STEP = 0.25  # bf16 spacing of logits in [32, 64): top-2 gaps below are ties
-
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "Translate to Spanish: The cat sleeps on the warm windowsill.",
-    "If a train travels 60 miles per hour for 3 hours, how far does it go?",
-    "Hi! How are you today?",
-    "List five fruits that are red.",
-    "Explain what a hash table is in two sentences.",
-    "Tom has 12 apples and gives away 5. How many are left? Explain step by step.",
-    "Write a haiku about the sea.",
-    "What does HTTP stand for?",
-    "Translate to Spanish: In the beginning God created the heaven and the earth.",
-    "Summarize the following text in one sentence: " + " ".join(
-        ["The committee met on Monday to discuss the budget for the coming year."] * 12),
-    "Give me a recipe for pancakes.",
-    "def add(a, b):\n    return a + b\n\nExplain this code and write a test for it.",
-    "Why is the sky blue?",
-    "Tell me a short story about a robot who learns to paint. " * 6,
-]
 
 
 @pytest.fixture(scope="module")

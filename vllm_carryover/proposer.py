@@ -21,6 +21,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm_carryover.carryover_slot import SlotLayout, plan_slots, shift_query_slots
 from vllm_carryover.draft_trace import DraftTrace
 from vllm_carryover.metrics import CarryoverCounters
+from vllm_carryover.slot_table import ENV_CHECK, SlotTable, checks_enabled, round_slots
 from vllm_carryover.speculative_config import CarryoverSettings
 from vllm_carryover.vllm_drafter import ARCHITECTURE
 
@@ -36,7 +37,10 @@ class CarryoverProposer(DFlashProposer):
         self.counters = CarryoverCounters.for_this_process()
         self._layout: SlotLayout | None = None
         self.trace = DraftTrace.from_env()
-        self._runner = runner  # for request ids in traces
+        self._runner = runner  # for request ids in traces and slot checks
+        self.slot_table: SlotTable | None = None
+        if checks_enabled():
+            logger.info("Carryover slot ownership is checked every round (%s=1).", ENV_CHECK)
         logger.info("Carryover drafting: context from rejected states is %s.",
                     "on" if self.settings.enabled else "off (matched DFlash baseline)")
 
@@ -75,19 +79,39 @@ class CarryoverProposer(DFlashProposer):
                 query_positions=self.positions[:num_query],
                 carryover=torch.tensor(self.settings.enabled),
             )
-        if not self.settings.enabled or num_rejected_tokens_gpu is None:
-            return num_query, indices, new_cad
-
-        q = 1 + self.num_speculative_tokens
-        layout = plan_slots(cad.query_start_loc, num_rejected_tokens_gpu,
-                            target_hidden_states.shape[0], self.num_speculative_tokens)
-        self._slot_mapping_buffer[:num_query] = shift_query_slots(
-            self.positions, layout.carried, q, cad.block_table_tensor, self.block_size)
-        # DFlash cut seq_lens by num_rejected; give back the carried part.
-        new_cad.seq_lens = new_cad.seq_lens + layout.carried
-        self._layout = layout
-        self.counters.record(layout.carried)
+        if self.settings.enabled and num_rejected_tokens_gpu is not None:
+            q = 1 + self.num_speculative_tokens
+            layout = plan_slots(cad.query_start_loc, num_rejected_tokens_gpu,
+                                target_hidden_states.shape[0], self.num_speculative_tokens)
+            self._slot_mapping_buffer[:num_query] = shift_query_slots(
+                self.positions, layout.carried, q, cad.block_table_tensor, self.block_size)
+            # DFlash cut seq_lens by num_rejected; give back the carried part.
+            new_cad.seq_lens = new_cad.seq_lens + layout.carried
+            self._layout = layout
+            self.counters.record(layout.carried)
+        if checks_enabled():
+            self._check_slots(cad, new_cad, num_query)
         return num_query, indices, new_cad
+
+    def _check_slots(self, cad: CommonAttentionMetadata, new_cad: CommonAttentionMetadata,
+                     num_query: int) -> None:
+        """Record who owns which slot this round and fail loudly on any misplacement."""
+        if self.slot_table is None:
+            self.slot_table = SlotTable(self.num_speculative_tokens, self.block_size,
+                                        self.max_batch_size)
+        batch = cad.batch_size()
+        layout = self._layout
+        q = 1 + self.num_speculative_tokens
+        self.slot_table.update(round_slots(
+            req_ids=list(self._runner.input_batch.req_ids[:batch]),
+            committed=self.positions[: batch * q : q],  # each block starts at its bonus token
+            rejected_rows=layout.rejected_rows if layout is not None else None,
+            query_start_loc=cad.query_start_loc,
+            context_slot_mapping=self._context_slot_mapping_buffer[: self._dflash_num_context],
+            query_slot_mapping=self._slot_mapping_buffer[:num_query],
+            seq_lens=new_cad.seq_lens,
+            block_table=cad.block_table_tensor,
+        ))
 
     @override
     def build_model_inputs_first_pass(

@@ -36,7 +36,8 @@ class VllmServer:
     def __init__(self, model: str | Path, log_file: str | Path,
                  speculative_config: dict[str, Any] | None = None, dtype: str = "bfloat16",
                  max_model_len: int = 2048, kv_cache_bytes: int = 1 << 30,
-                 extra_args: list[str] | None = None, start_timeout: float = 300.0) -> None:
+                 extra_args: list[str] | None = None, start_timeout: float = 300.0,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_file = Path(log_file)
@@ -48,12 +49,14 @@ class VllmServer:
         if speculative_config is not None:
             self.cmd += ["--speculative-config", json.dumps(speculative_config)]
         self.cmd += extra_args or []
+        self.extra_env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> VllmServer:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_file.open("wb")
         env = {k: v for k, v in os.environ.items() if k != "VLLM_CARRYOVER_METRICS_DIR"}
+        env.update(self.extra_env)
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env,
                                      start_new_session=True)

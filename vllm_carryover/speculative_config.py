@@ -84,11 +84,33 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
     if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
         raise CarryoverConfigError(
             f"'num_speculative_tokens' must be an integer, got {k!r}")
+    if k is not None and k < 1:
+        raise CarryoverConfigError(
+            f"'num_speculative_tokens' must be at least 1, got {k}; leave it out to draft "
+            "block_size - 1 tokens per step, or drop the speculative config to turn "
+            "speculation off")
     drafter = validate_drafter(model, target_hf_config, k)
     if k is None:
         spec["num_speculative_tokens"] = drafter.block_size - 1
     spec["method"] = "dflash"
     return spec, CarryoverSettings(enabled=enabled)
+
+
+def vllm_refusal(error: Any) -> CarryoverConfigError:
+    """One-line CarryoverConfigError for vLLM's pydantic refusal of the translated config.
+
+    vLLM checks the types of its own keys (e.g. `max_model_len: "x"`) when it builds
+    `SpeculativeConfig`; its multi-line ValidationError becomes `key: problem (got value)`.
+    """
+    problems = []
+    for e in error.errors(include_url=False):
+        where = ".".join(str(part) for part in e.get("loc", ()))
+        got = repr(e.get("input"))
+        got = got if len(got) <= 60 else got[:57] + "..."
+        problem = " ".join(str(e.get("msg", "")).split())
+        problems.append(f"{where}: {problem} (got {got})" if where else problem)
+    return CarryoverConfigError(
+        f"vLLM refused the carryover speculative config: {'; '.join(problems)}")
 
 
 def attach(spec_config: Any, settings: CarryoverSettings) -> None:

