@@ -37,10 +37,10 @@ MAX_TOKENS = 32
 NUM_SPECULATIVE_TOKENS = 7
 KV_CACHE_BYTES = 128 << 20  # ~2800 fp32 SmolLM2 tokens: 32 requests need ~2x that
 MAX_MODEL_LEN = 512
-# The engine's worker keeps growing by a few percent while it meets new batch shapes,
-# with or without carryover (`python -m benchmarks.memory_growth` measures both: the
-# same curve), and it is not monotone. The warm-up runs the soak's own mix; the bound
-# leaves room for that engine noise, not for a per-request leak (200 requests).
+# vLLM's CPU engine itself grows by ~1 MB per request while it meets new prompt
+# shapes, with carryover on and off alike, and stays flat when shapes repeat
+# (`python -m benchmarks.memory_offline`; README, Reliability). The warm-up runs the
+# soak's own mix; the bound leaves room for that engine growth over 200 requests.
 MEMORY_DRIFT = 0.10
 
 

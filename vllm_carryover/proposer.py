@@ -38,8 +38,9 @@ class CarryoverProposer(DFlashProposer):
         self._layout: SlotLayout | None = None
         self.trace = DraftTrace.from_env()
         self._runner = runner  # for request ids in traces and slot checks
-        self.slot_table: SlotTable | None = None
-        if checks_enabled():
+        self.slot_table: SlotTable | None = None  # built on the first checked round
+        self.check_slots = checks_enabled()
+        if self.check_slots:
             logger.info("Carryover slot ownership is checked every round (%s=1).", ENV_CHECK)
         logger.info("Carryover drafting: context from rejected states is %s.",
                     "on" if self.settings.enabled else "off (matched DFlash baseline)")
@@ -89,7 +90,7 @@ class CarryoverProposer(DFlashProposer):
             new_cad.seq_lens = new_cad.seq_lens + layout.carried
             self._layout = layout
             self.counters.record(layout.carried)
-        if checks_enabled():
+        if self.check_slots:
             self._check_slots(cad, new_cad, num_query)
         return num_query, indices, new_cad
 

@@ -2,20 +2,35 @@
 
 Used by the demo and the benchmarks: the server gets a free port, its output
 goes to a log file, and leaving the `with` block (normally or by an exception,
-including a server that fails to start) kills its whole process group.
+including a server that fails to start) kills its whole process group. If the
+starting process itself is killed, the server gets SIGTERM too (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
+
+
+_LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None  # loaded before fork
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM if the process that started us dies,
+    so a killed benchmark or test run does not leave a server behind (Linux)."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -59,7 +74,7 @@ class VllmServer:
         env.update(self.extra_env)
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         try:
             self._wait_healthy()
         except BaseException:
