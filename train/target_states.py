@@ -9,11 +9,14 @@ per dataset + layer set.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
+
+from train.ray_shards import map_shards
 
 
 def aux_states(model: Any, batch: list[list[int]], layer_ids: list[int],
@@ -46,28 +49,63 @@ def truncated_decoder(target: str, last_layer: int) -> Any:
     return decoder.eval()
 
 
-def extract(target: str, sequences: list[list[int]], layer_ids: list[int],
-            cache: Path, batch_size: int = 8) -> list[torch.Tensor]:
-    """Aux states (bf16) of every sequence, read from or written to `cache`."""
+def _extract_shard(items: list[tuple[int, list[int]]], target: str, layer_ids: list[int],
+                   batch_size: int) -> list[tuple[int, torch.Tensor]]:
+    """One Ray task: (index, bf16 aux states) of its sequences, batched by similar length."""
+    model = truncated_decoder(target, max(layer_ids))
+    items = sorted(items, key=lambda x: len(x[1]))
+    out: list[tuple[int, torch.Tensor]] = []
+    bar = tqdm(total=sum(len(s) for _, s in items), desc="target states", unit="tok")
+    for start in range(0, len(items), batch_size):
+        batch = items[start:start + batch_size]
+        states = aux_states(model, [s for _, s in batch], layer_ids)
+        out += [(i, st.to(torch.bfloat16).clone()) for (i, _), st in zip(batch, states,
+                                                                          strict=True)]
+        bar.update(sum(len(s) for _, s in batch))
+    bar.close()
+    return out
+
+
+def extract(target: str, sequences: list[list[int]], layer_ids: list[int], cache: Path,
+            batch_size: int = 8, workers: int = 1, cpus_per_worker: int = 2,
+            ray_address: str | None = None) -> list[torch.Tensor]:
+    """Aux states (bf16) of every sequence, read from or written to `cache`.
+
+    Computed once per dataset and layer set, sharded over Ray workers: training
+    visits every sequence several times, and a target forward per visit would
+    cost more than the drafter step itself (see `python -m train data --help`).
+    """
     if cache.is_file():
         saved = torch.load(cache)
         if saved["layer_ids"] == list(layer_ids) and saved["lengths"] == [
                 len(s) for s in sequences]:
             return list(saved["states"])
-    model = truncated_decoder(target, max(layer_ids))
-    states: list[torch.Tensor] = []
-    # similar lengths per batch: sort, extract, restore the order
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    by_index: dict[int, torch.Tensor] = {}
-    with tqdm(total=sum(len(s) for s in sequences), desc="target states", unit="tok") as bar:
-        for start in range(0, len(order), batch_size):
-            idx = order[start:start + batch_size]
-            batch = [sequences[i] for i in idx]
-            for i, st in zip(idx, aux_states(model, batch, layer_ids), strict=True):
-                by_index[i] = st.to(torch.bfloat16).clone()
-            bar.update(sum(len(s) for s in batch))
+    # interleaved shards get similar length mixes; each shard sorts by length
+    items = list(enumerate(sequences))
+    items = [x for w in range(workers) for x in items[w::workers]]
+    pairs = map_shards(_extract_shard, items, workers=workers, cpus_per_worker=cpus_per_worker,
+                       address=ray_address, desc="target states", target=target,
+                       layer_ids=list(layer_ids), batch_size=batch_size)
+    by_index = dict(pairs)
     states = [by_index[i] for i in range(len(sequences))]
     cache.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"layer_ids": list(layer_ids), "lengths": [len(s) for s in sequences],
                 "states": states}, cache)
     return states
+
+
+def states_file(data: Path, manifest_sha256: str, layer_ids: list[int]) -> Path:
+    """The cache file of a dataset's aux states for one set of target layers."""
+    tag = hashlib.sha256(f"{manifest_sha256}:{list(layer_ids)}".encode()).hexdigest()[:12]
+    return data / f"states-{tag}.pt"
+
+
+def dataset_states(target: str, data: Path, layer_ids: list[int], **ray: Any
+                   ) -> list[torch.Tensor]:
+    """Aux states of every row of a dataset folder (prompt + response), cached there."""
+    from train.data import load_manifest, load_samples
+
+    rows = load_samples(data)
+    toks = [r["prompt_ids"] + r["response_ids"] for r in rows]
+    return extract(target, toks, layer_ids,
+                   states_file(data, load_manifest(data)["sha256"], layer_ids), **ray)

@@ -26,7 +26,7 @@ PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 _LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None  # loaded before fork
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: get SIGTERM if the process that started us dies,
     so a killed benchmark or test run does not leave a server behind (Linux)."""
     if _LIBC is not None:
@@ -74,7 +74,7 @@ class VllmServer:
         env.update(self.extra_env)
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+                                     start_new_session=True, preexec_fn=die_with_parent)
         try:
             self._wait_healthy()
         except BaseException:

@@ -1,0 +1,195 @@
+"""Drafters trained by `train/` export, load in vLLM and keep greedy output lossless.
+
+A tiny baseline run and a tiny carryover run started from it (in a temporary
+VLLM_CARRYOVER_CACHE, with the dataset's target states written directly as in
+test_train_loop.py) are exported with the real CLI (`python -m train export`).
+Each export is then served in vLLM, one engine per process: the baseline export
+with the in-tree `dflash` method, the carryover export with `carryover` (baseline
+weights under `carryover` are test_lossless.py's trained-drafter case). In
+float32 every run must be token-identical to the tiny target alone, and every
+speculative run must have drafted and had drafts accepted.
+
+Acceptance shows that the trained weights, not just the format, survive the
+export: the dataset holds the target's own greedy continuations of prompts over a
+16-token alphabet (a random tiny Llama soon repeats one token over and over), which
+a couple of hundred fast steps teach the drafter; a drafter with mangled weights
+would propose tokens the target never picks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_runner import run_engine
+from tiny_models import make_tiny_target
+
+from train.baseline import BaselineArgs, train_baseline
+from train.carryover import CarryoverArgs, train_carryover
+from train.data import write_dataset
+from train.paths import data_dir, run_dir
+from train.target_states import aux_states, states_file, truncated_decoder
+from vllm_carryover.checkpoint import load_drafter_state
+from vllm_carryover.init_drafter import default_target_layers
+
+REPO = Path(__file__).resolve().parent.parent
+K = 3  # block size 4: the bonus token + 3 drafted tokens
+ALPHABET = (3, 19)  # prompt tokens: 3..18
+MAX_TOKENS = 24
+DATA = "tiny-export"
+REJECTED = "rejected_embedding"
+# vLLM pins a CPU worker to core 0 by default ("auto"), alongside every other engine on
+# the machine; unpinned, a shared CPU starves it less (binding cannot change the tokens).
+ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# Tiny runs (a few seconds), without intermediate evaluations or checkpoints.
+RUN = dict(data=DATA, seqs_per_step=2, anchors_per_seq=6, warmup=1, eval_every=0,
+           eval_anchors_per_seq=3, num_negatives=32, save_every=0, threads=1)
+BASELINE_STEPS, CARRYOVER_STEPS = 200, 10
+N_ROWS = 60  # 12 held out
+
+
+def random_prompts(n: int, seed: int) -> list[list[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(*ALPHABET) for _ in range(rnd.randrange(4, 33))] for _ in range(n)]
+
+
+def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """The target's own greedy continuation (transformers, float32)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def write_target_dataset(target: Path, layer_ids: list[int]) -> None:
+    """Prompts with the target's greedy responses and their bf16 aux states, cached as
+    `python -m train data` caches them."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
+    rows = []
+    for i, prompt in enumerate(random_prompts(N_ROWS, seed=0)):
+        rows.append({"id": f"r{i}", "group": f"g{i}", "category": "chat", "messages": [],
+                     "prompt_ids": prompt, "response_ids": greedy(model, prompt, 16),
+                     "response": "", "split": "heldout" if i % 5 == 0 else "train"})
+    folder = data_dir(DATA)
+    manifest = write_dataset(folder, rows, {"target": str(target)})
+    decoder = truncated_decoder(str(target), max(layer_ids))
+    seqs = [r["prompt_ids"] + r["response_ids"] for r in rows]
+    states = [s.to(torch.bfloat16).clone() for s in aux_states(decoder, seqs, layer_ids)]
+    torch.save({"layer_ids": list(layer_ids), "lengths": [len(s) for s in seqs],
+                "states": states}, states_file(folder, manifest["sha256"], layer_ids))
+
+
+def export_run(target: Path, run: str, out: Path, cache: Path) -> Path:
+    """`python -m train export` in a subprocess, as a user runs it."""
+    cmd = [sys.executable, "-m", "train", "export", "--target", str(target), "--run", run,
+           "--out", str(out)]
+    env = dict(os.environ, VLLM_CARRYOVER_CACHE=str(cache), OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == str(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny target, both runs' cache and their exports."""
+    tmp = tmp_path_factory.mktemp("train_export")
+    target = make_tiny_target(tmp / "target")
+    cache = tmp / "cache"
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CARRYOVER_CACHE", str(cache))
+        torch.set_num_threads(1)  # the recipes do too (threads=1): far faster on a busy CPU
+        write_target_dataset(target, default_target_layers(4))
+        train_baseline(BaselineArgs(target=str(target), run="tiny-baseline", block_size=K + 1,
+                                    intermediate_size=64, lr=1e-2, steps=BASELINE_STEPS,
+                                    **RUN))
+        train_carryover(CarryoverArgs(target=str(target), run="tiny-carryover",
+                                      init="tiny-baseline", steps=CARRYOVER_STEPS, **RUN))
+        torch.set_num_threads(threads)
+    return {"target": target, "cache": cache,
+            **{recipe: export_run(target, f"tiny-{recipe}", tmp / f"export-{recipe}", cache)
+               for recipe in ("baseline", "carryover")}}
+
+
+@pytest.mark.parametrize("recipe,tag,steps", [("baseline", "dflash-baseline", BASELINE_STEPS),
+                                              ("carryover", "carryover", CARRYOVER_STEPS)])
+def test_export_writes_metadata_and_bf16_weights(
+        exported: dict[str, Path], recipe: str, tag: str, steps: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from safetensors import safe_open
+
+    folder = exported[recipe]
+    assert (folder / "model.safetensors").is_file()
+    cfg = json.loads((folder / "config.json").read_text())
+    meta = cfg["carryover_config"]
+    assert meta["recipe"] == tag and meta["steps"] == steps
+    assert meta["target"] == "target" and meta["args"]["target"] == "target"
+    assert "evals" not in meta and meta["date"]
+    assert cfg["block_size"] == K + 1 and cfg["torch_dtype"] == "bfloat16"
+    if recipe == "carryover":
+        assert meta["init_checkpoint"] == "tiny-baseline"
+        assert meta["init_meta"]["recipe"] == "dflash-baseline"
+        assert meta["init_meta"]["steps"] == BASELINE_STEPS
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert all(f.get_tensor(n).dtype == torch.bfloat16 for n in names)
+    assert (REJECTED in names) == (recipe == "carryover")
+
+    # The exported weights are the run's final weights, rounded to bf16.
+    monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(exported["cache"]))
+    saved = torch.load(run_dir(f"tiny-{recipe}") / "final.pt")
+    _, state = load_drafter_state(folder)
+    assert names == set(saved["state"])
+    for name, value in saved["state"].items():
+        assert torch.equal(state[name], value.to(torch.bfloat16)), name
+    if recipe == "carryover":  # trained from zero on carried states: the mark has moved
+        assert saved["meta"]["carried_states"] > 0 and state[REJECTED].abs().max() > 0
+
+
+def generate(target: Path, workdir: Path, name: str,
+             spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    job: dict[str, Any] = {"model": str(target), "prompts": random_prompts(4, seed=1),
+                           "max_tokens": MAX_TOKENS}
+    if spec is not None:
+        job["engine"] = {"speculative_config": {**spec, "num_speculative_tokens": K}}
+    return run_engine(job, workdir, name, env=ENGINE_ENV)
+
+
+@pytest.fixture(scope="module")
+def reference(exported: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+              ) -> dict[str, Any]:
+    """The tiny target alone, no speculation."""
+    return generate(exported["target"], tmp_path_factory.mktemp("reference"), "none")
+
+
+@pytest.mark.parametrize("recipe,method", [("baseline", "dflash"), ("carryover", "carryover")])
+def test_export_serves_in_vllm_token_identical_to_the_target(
+        exported: dict[str, Path], reference: dict[str, Any], tmp_path: Path,
+        recipe: str, method: str) -> None:
+    out = generate(exported["target"], tmp_path, f"{recipe}-{method}",
+                   {"method": method, "model": str(exported[recipe])})
+    assert out["token_ids"] == reference["token_ids"]
+    assert all(len(t) == MAX_TOKENS for t in out["token_ids"])
+    spec, co = out["spec"], out["carryover"]
+    drafts, accepted = spec["spec_decode_num_drafts"], spec["spec_decode_num_accepted_tokens"]
+    assert drafts > 0 and spec["spec_decode_num_draft_tokens"] == K * drafts
+    assert accepted > 0, "the trained drafter was never right: weights lost in the export?"
+    if method == "dflash":
+        assert co["carryover_draft_rounds"] == 0
+    else:
+        # every rejected draft token, and only those, was carried into the next round
+        assert co["carryover_draft_rounds"] > 0
+        assert co["carryover_rejected_states"] == K * drafts - accepted

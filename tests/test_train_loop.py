@@ -1,0 +1,147 @@
+"""The shared training loop on a tiny Llama: --resume continues a run bit for bit, and
+torchrun runs (2 processes, gloo) keep every rank's weights identical.
+
+Runs go through `python -m train` (in-process, or torchrun in a subprocess) with
+the cache in a temporary VLLM_CARRYOVER_CACHE; the dataset's target states are
+written directly, as `python -m train data` caches them, to avoid a Ray start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tiny_models import make_tiny_drafter, make_tiny_target
+
+from train.__main__ import main
+from train.data import write_dataset
+from train.paths import data_dir, run_dir
+from train.target_states import aux_states, states_file, truncated_decoder
+from train.trainer import weights_digest
+from vllm_carryover.init_drafter import default_target_layers
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB = 512  # make_tiny_target's default
+DATA = "tiny-loop"
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny target, a drafter folder for it and a cached dataset with its target states."""
+    tmp = tmp_path_factory.mktemp("train_loop")
+    target = make_tiny_target(tmp / "target")
+    drafter = make_tiny_drafter(target, tmp / "drafter", block_size=4)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CARRYOVER_CACHE", str(tmp / "cache"))
+        write_tiny_dataset(target, default_target_layers(4))
+    return {"target": target, "drafter": drafter, "cache": tmp / "cache"}
+
+
+@pytest.fixture
+def cache(tiny_setup: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(tiny_setup["cache"]))
+    return tiny_setup["cache"]
+
+
+def write_tiny_dataset(target: Path, layer_ids: list[int]) -> None:
+    """15 random prompt + response rows (3 held out) and their bf16 aux states."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(15):
+        n_prompt, n_resp = (int(x) for x in torch.randint(4, 9, (2,), generator=gen))
+        toks = torch.randint(1, VOCAB, (n_prompt + 3 * n_resp,), generator=gen).tolist()
+        rows.append({"id": f"r{i}", "group": f"g{i}", "category": "chat", "messages": [],
+                     "prompt_ids": toks[:n_prompt], "response_ids": toks[n_prompt:],
+                     "response": "", "split": "heldout" if i % 5 == 0 else "train"})
+    folder = data_dir(DATA)
+    manifest = write_dataset(folder, rows, {"target": str(target)})
+    decoder = truncated_decoder(str(target), max(layer_ids))
+    seqs = [r["prompt_ids"] + r["response_ids"] for r in rows]
+    states = [s.to(torch.bfloat16).clone() for s in aux_states(decoder, seqs, layer_ids)]
+    torch.save({"layer_ids": list(layer_ids), "lengths": [len(s) for s in seqs],
+                "states": states}, states_file(folder, manifest["sha256"], layer_ids))
+
+
+def recipe_argv(recipe: str, setup: dict[str, Path], run: str, *extra: str) -> list[str]:
+    """A few tiny steps of `recipe` (evaluation and checkpoints included)."""
+    argv = [recipe, "--target", str(setup["target"]), "--data", DATA, "--run-name", run,
+            "--steps", "6", "--seqs-per-step", "2", "--anchors-per-seq", "6",
+            "--eval-every", "3", "--eval-anchors-per-seq", "3", "--num-negatives", "32",
+            "--save-every", "2", "--threads", "1", "--warmup", "2"]
+    if recipe == "baseline":
+        argv += ["--block-size", "4", "--intermediate-size", "64"]
+    else:
+        argv += ["--init", str(setup["drafter"])]
+    return [*argv, *extra]
+
+
+def log_steps(run: str) -> list[dict[str, Any]]:
+    """The per-step lines of a run's log.jsonl, without their wall-clock seconds."""
+    lines = [json.loads(x) for x in (run_dir(run) / "log.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in x.items() if k != "seconds"} for x in lines]
+
+
+@pytest.mark.parametrize("recipe", ["baseline", "carryover"])
+def test_resume_equals_an_uninterrupted_run(tiny_setup: dict[str, Path], cache: Path,
+                                            recipe: str) -> None:
+    whole, split = f"{recipe}-whole", f"{recipe}-split"
+    main(recipe_argv(recipe, tiny_setup, whole))
+    main(recipe_argv(recipe, tiny_setup, split, "--stop-after", "3"))
+    assert not (run_dir(split) / "final.pt").exists()
+    first = torch.load(run_dir(split) / "last.pt")
+    assert first["step"] == 3 and first["train_seconds"] > 0
+    with (run_dir(split) / "log.jsonl").open("a") as log:  # as if killed after the save
+        log.write('{"step": 3, "loss": 0.0}\n')
+    main(recipe_argv(recipe, tiny_setup, split, "--resume"))
+
+    a, b = torch.load(run_dir(whole) / "final.pt"), torch.load(run_dir(split) / "final.pt")
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        assert torch.equal(a["state"][k], b["state"][k]), k
+    assert a["meta"]["steps"] == b["meta"]["steps"] == 6
+    assert a["meta"]["evals"] == b["meta"]["evals"] and len(a["meta"]["evals"]) == 2
+    assert a["meta"]["trained_label_tokens"] == b["meta"]["trained_label_tokens"]
+    assert b["meta"]["train_seconds"] >= round(first["train_seconds"], 1)
+    assert log_steps(whole) == log_steps(split)
+
+
+def test_resume_refuses_without_checkpoint_or_with_other_settings(
+        tiny_setup: dict[str, Path], cache: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        main(recipe_argv("baseline", tiny_setup, "never-started", "--resume"))
+    main(recipe_argv("baseline", tiny_setup, "short", "--stop-after", "1"))
+    with pytest.raises(ValueError, match="--anchors-per-seq 6 -> 5"):
+        main(recipe_argv("baseline", tiny_setup, "short", "--resume", "--anchors-per-seq", "5"))
+    with pytest.raises(ValueError, match="block_size: 4 -> 5"):
+        main(recipe_argv("baseline", tiny_setup, "short", "--resume", "--block-size", "5"))
+
+
+@pytest.mark.parametrize("recipe", ["baseline", "carryover"])
+def test_torchrun_two_processes_keep_identical_weights(tiny_setup: dict[str, Path],
+                                                       cache: Path, recipe: str) -> None:
+    run = f"{recipe}-ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", "-m", "train",
+           *recipe_argv(recipe, tiny_setup, run, "--steps", "4", "--eval-every", "2")]
+    env = dict(os.environ, VLLM_CARRYOVER_CACHE=str(cache), OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+    final = torch.load(run_dir(run) / "final.pt")
+    last = torch.load(run_dir(run) / "last.pt")
+    assert final["meta"]["processes"] == 2 and final["meta"]["steps"] == 4
+    # every rank hashed its own weights into last.pt: all equal, and equal to the saved ones
+    assert last["rank_digests"] == [weights_digest(last["model"])] * 2
+    for k, v in final["state"].items():
+        assert torch.equal(v, last["model"][k]), k
+    # the ranks drew different sequences; only rank 0 wrote the log
+    assert last["random"][0]["generator"].ne(last["random"][1]["generator"]).any()
+    lines = log_steps(run)
+    assert [x["step"] for x in lines] == [0, 1, 2, 2, 3, 4]

@@ -1,0 +1,137 @@
+"""Options of the training recipes: one dataclass per recipe over shared fields, plus argparse.
+
+Kept free of torch so that `python -m train --help` stays fast; the recipes
+(`train.baseline`, `train.carryover`) re-export their dataclass.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from train.paths import CHECKPOINTS, DEFAULT_DATA
+
+# Options that only steer one invocation (not what is trained): `--resume` may change them.
+RUN_CONTROL = frozenset({"resume", "stop_after", "save_every", "eval_every",
+                         "eval_anchors_per_seq", "threads", "extra"})
+
+
+@dataclass
+class TrainArgs:
+    """What every recipe's step loop needs (`train.trainer.Trainer`)."""
+
+    target: str = ""
+    data: str = DEFAULT_DATA
+    run: str = ""
+    steps: int = 400
+    minutes: float = 0.0
+    seqs_per_step: int = 4
+    anchors_per_seq: int = 32
+    lr: float = 1e-3
+    warmup: int = 20
+    gamma: float = 4.0
+    eval_every: int = 100
+    eval_anchors_per_seq: int = 16
+    vocab_subset: bool = True
+    num_negatives: int = 4096
+    seed: int = 0
+    threads: int = 2
+    save_every: int = 50
+    stop_after: int = 0
+    resume: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BaselineArgs(TrainArgs):
+    run: str = "smollm2-dflash-baseline"
+    layers: int = 1
+    block_size: int = 8
+    intermediate_size: int = 1024
+    target_layers: list[int] | None = None
+    init_run: str = ""
+
+
+@dataclass
+class CarryoverArgs(TrainArgs):
+    run: str = "smollm2-carryover"
+    steps: int = 200
+    lr: float = 3e-4
+    warmup: int = 10
+    eval_every: int = 50
+    init: str = str(CHECKPOINTS / "smollm2-135m-instruct" / "dflash-baseline")
+    first_draft_weight: float = 1.0
+    rejected_lr_mult: float = 10.0
+
+
+def add_train_options(p: argparse.ArgumentParser, d: TrainArgs) -> None:
+    """The options every recipe shares, with `d`'s values as defaults."""
+    p.add_argument("--target", help="target model folder (default: the testbed SmolLM2 folder)")
+    p.add_argument("--data", default=d.data,
+                   help="dataset name in the cache, as `python -m train data` wrote it "
+                   "(default: %(default)s)")
+    p.add_argument("--run", "--run-name", dest="run", default=d.run,
+                   help="run name: the output folder $VLLM_CARRYOVER_CACHE/train/runs/RUN "
+                   "(log.jsonl, last.pt, final.pt, meta.json); under torchrun spell it "
+                   "--run-name (torchrun reads --run as its own --run-path) "
+                   "(default: %(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps,
+                   help="optimizer steps; the cosine LR schedule spans them "
+                   "(default: %(default)s)")
+    p.add_argument("--minutes", type=float, default=d.minutes,
+                   help="training-time budget (evaluations excluded); the LR schedule follows "
+                   "whichever of steps and time is further along; 0: no budget "
+                   "(default: %(default)s)")
+    p.add_argument("--seqs-per-step", type=int, default=d.seqs_per_step,
+                   help="training sequences per step and process; under torchrun the batch "
+                   "is nproc x this (default: %(default)s)")
+    p.add_argument("--anchors-per-seq", type=int, default=d.anchors_per_seq,
+                   help="draft blocks (anchors) sampled per training sequence, inside its "
+                   "response (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr,
+                   help="peak AdamW learning rate (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=d.warmup,
+                   help="linear LR warm-up steps (default: %(default)s)")
+    p.add_argument("--gamma", type=float, default=d.gamma,
+                   help="loss weight decay over block slots: slot j weighs exp(-(j-1)/gamma) "
+                   "(default: %(default)s)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="held-out evaluation every this many steps; 0: only at the end "
+                   "(default: %(default)s)")
+    p.add_argument("--eval-anchors-per-seq", type=int, default=d.eval_anchors_per_seq,
+                   help="anchors per held-out sequence in evaluations (default: %(default)s)")
+    p.add_argument("--no-vocab-subset", dest="vocab_subset", action="store_false",
+                   help="full-vocabulary softmax in training (slower on CPU); by default "
+                   "the softmax covers the data's tokens plus random negatives")
+    p.add_argument("--num-negatives", type=int, default=d.num_negatives,
+                   help="random extra tokens per step in the sampled softmax "
+                   "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the initial weights and of the sequence / anchor draws; "
+                   "process r of torchrun draws with seed + r (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="CPU threads per process (default: %(default)s)")
+    p.add_argument("--save-every", type=int, default=d.save_every,
+                   help="write last.pt (what --resume continues from) every this many steps; "
+                   "it is also written at the end; 0: only at the end (default: %(default)s)")
+    p.add_argument("--stop-after", type=int, default=d.stop_after,
+                   help="end this invocation once this many steps are done in total, "
+                   "without the final evaluation and final.pt (e.g. to split a run over "
+                   "jobs); continue with --resume; 0: no such stop (default: %(default)s)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run from its last.pt: weights, optimizer, step, "
+                   "training time and random state; log.jsonl continues. The settings must "
+                   f"match the saved ones, except {', '.join(_control_flags())}")
+
+
+A = TypeVar("A", bound=TrainArgs)
+
+
+def args_from(cls: type[A], ns: argparse.Namespace) -> A:
+    """The dataclass `cls` filled from parsed options (unknown names ignored)."""
+    return cls(**{k: v for k, v in vars(ns).items() if k in cls.__dataclass_fields__})
+
+
+def _control_flags() -> list[str]:
+    return ["--" + k.replace("_", "-") for k in sorted(RUN_CONTROL - {"extra"})]

@@ -1,0 +1,291 @@
+"""The step loop shared by the training recipes.
+
+A recipe builds its drafter, optimizer and sequences, then supplies the loss
+of one training sequence and a held-out evaluation. The loop owns the rest:
+LR schedule and time budget, the random draws (sequences, sampled-softmax
+vocabulary, anchors: always in this order, so a run reproduces), gradient
+averaging over torchrun processes, log.jsonl, the progress bar, periodic
+evaluations, and last.pt, from which `--resume` continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from tqdm import tqdm
+
+from train.data import load_manifest
+from train.dflash_loss import cosine_lr, sample_anchors
+from train.distributed import (
+    average_gradients,
+    check_joined,
+    from_rank0,
+    gather,
+    is_main,
+    rank,
+    sum_over_ranks,
+    world_size,
+)
+from train.options import RUN_CONTROL, TrainArgs
+from train.paths import data_dir, run_dir
+from train.vocab_subset import step_vocab
+from vllm_carryover.torch_drafter import TorchDrafter
+
+LAST = "last.pt"
+FINAL = "final.pt"
+LOG = "log.jsonl"
+
+
+@dataclass
+class Sequence:
+    """One training sequence: tokens, the first response position, aux states."""
+
+    tokens: torch.Tensor  # [T]
+    response_start: int
+    aux: torch.Tensor  # [T, n_layers * H] bf16
+
+
+@dataclass
+class SeqResult:
+    """One training sequence's loss and what it adds to the log and to the run totals."""
+
+    loss: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)  # logged as means per step
+    counts: dict[str, int] = field(default_factory=dict)  # summed over the run
+
+
+# (sequence, anchors, sampled-softmax token ids or None) -> its loss
+SeqLoss = Callable[[Sequence, torch.Tensor, torch.Tensor | None], SeqResult]
+# held-out evaluation of the current weights -> a JSON-able summary
+Evaluate = Callable[[], dict[str, Any]]
+
+
+@dataclass
+class Progress:
+    """What a run has done so far; last.pt saves it and `--resume` restores it."""
+
+    step: int = 0
+    train_seconds: float = 0.0
+    counts: dict[str, int] = field(default_factory=dict)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    notes: dict[str, Any] = field(default_factory=dict)  # recipe values fixed at the start
+
+
+class Trainer:
+    """A recipe's run: `run` trains, `save_final` writes final.pt and meta.json."""
+
+    def __init__(self, a: TrainArgs, name: str, model: TorchDrafter,
+                 params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
+                 config: dict[str, Any], train: list[Sequence], counts: dict[str, int]) -> None:
+        check_joined()
+        self.a = a
+        self.name = name
+        self.model = model
+        self.params = params
+        self.opt = opt
+        self.config = config  # the drafter's; --resume refuses another one
+        self.train = train
+        self.main = is_main()
+        self.world = world_size()
+        self.out = run_dir(a.run)
+        self.data_sha = load_manifest(data_dir(a.data))["sha256"]
+        self.gen = torch.Generator().manual_seed(a.seed + rank())  # ranks draw differently
+        self.done = Progress(counts=dict(counts))
+        self.log_bytes = 0  # log.jsonl's length at the restored checkpoint
+        self.vocab = None
+        if a.vocab_subset:  # the sampled softmax always covers the data's tokens
+            self.vocab = torch.unique(torch.cat([s.tokens for s in train]))
+        if self.vocab is not None and self.main:
+            print(f"sampled softmax over {self.vocab.numel()} data tokens + "
+                  f"{a.num_negatives} random negatives per step")
+        if a.resume:
+            self._restore()
+        elif self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / LAST).unlink(missing_ok=True)  # never resume another run's state
+
+    def run(self, seq_loss: SeqLoss, evaluate: Evaluate) -> bool:
+        """Train until --steps, --minutes or --stop-after; True when the run is complete."""
+        a, done = self.a, self.done
+        log = self._open_log()
+        bar = tqdm(total=a.steps, initial=done.step, desc=self.name, unit="step",
+                   disable=not self.main)
+        complete, saved_at = True, -1
+        for step in range(done.step, a.steps):
+            t0 = time.perf_counter()
+            progress = self._progress(step)
+            if progress >= 1.0:
+                break
+            if a.stop_after and step >= a.stop_after:
+                complete = False
+                break
+            lr = cosine_lr(int(progress * a.steps), a.steps, a.warmup, a.lr)
+            for g in self.opt.param_groups:
+                g["lr"] = lr * g.get("lr_mult", 1.0)
+            metrics, counts = self._step(seq_loss)
+            done.step = step + 1
+            done.train_seconds += time.perf_counter() - t0
+            for k, v in counts.items():
+                done.counts[k] += v
+            if log is not None:
+                log.write(json.dumps({"step": step, **metrics, "lr": lr,
+                                      "seconds": done.train_seconds}) + "\n")
+                bar.update(1)
+                bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items()} | {"lr": f"{lr:.1e}"})
+                if a.eval_every and done.step % a.eval_every == 0:
+                    done.evals.append({"step": done.step, **evaluate()})
+                    tqdm.write(f"step {done.step}: " + json.dumps(done.evals[-1]))
+                    log.write(json.dumps(done.evals[-1]) + "\n")
+                log.flush()
+            if a.save_every and done.step % a.save_every == 0:
+                self.save(log)
+                saved_at = done.step
+        bar.close()
+        if saved_at != done.step:
+            self.save(log)
+        if log is not None:
+            log.close()
+        return complete
+
+    def _step(self, seq_loss: SeqLoss) -> tuple[dict[str, float], dict[str, int]]:
+        """One optimizer step; (per-step means, counts), both over all ranks."""
+        a = self.a
+        picks = torch.randint(len(self.train), (a.seqs_per_step,), generator=self.gen).tolist()
+        self.opt.zero_grad(set_to_none=True)
+        ids = None if self.vocab is None else step_vocab(
+            self.vocab, self.model.config.vocab_size, a.num_negatives, self.gen)
+        metrics: dict[str, float] = {}
+        counts = dict.fromkeys(self.done.counts, 0)
+        for i in picks:
+            seq = self.train[i]
+            anchors = sample_anchors(seq.response_start, seq.tokens.shape[0] - 1,
+                                     a.anchors_per_seq, self.gen)
+            r = seq_loss(seq, anchors, ids)
+            (r.loss / len(picks)).backward()
+            for k, v in {"loss": r.loss.item(), **r.metrics}.items():
+                metrics[k] = metrics.get(k, 0.0) + v / len(picks)
+            for k, v in r.counts.items():
+                counts[k] += v
+        average_gradients(self.params)
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        n = self.world
+        if n == 1:
+            return metrics, counts
+        total = sum_over_ranks([*metrics.values(), *counts.values()])
+        return (dict(zip(metrics, [v / n for v in total[:len(metrics)]], strict=True)),
+                dict(zip(counts, [round(v) for v in total[len(metrics):]], strict=True)))
+
+    def _progress(self, step: int) -> float:
+        """Fraction of the run done: steps, or time if further along (rank 0's clock)."""
+        a = self.a
+        progress = step / a.steps
+        if a.minutes > 0:
+            progress = from_rank0(max(progress, self.done.train_seconds / (a.minutes * 60)))
+        return progress
+
+    def save(self, log: TextIO | None) -> Path:
+        """Write last.pt (rank 0) with every rank's random state; all ranks must call it."""
+        digests = gather(weights_digest(self.model.state_dict()))
+        if len(set(digests)) > 1:
+            raise RuntimeError(f"ranks hold different weights at step {self.done.step}: "
+                               f"{digests}")
+        rng = gather({"generator": self.gen.get_state(), "torch": torch.get_rng_state()})
+        path = self.out / LAST
+        if not self.main:
+            return path
+        state = {"args": args_dict(self.a), "config": self.config,
+                 "data_sha256": self.data_sha, "world_size": self.world,
+                 "model": self.model.checkpoint_state(), "optimizer": self.opt.state_dict(),
+                 **asdict(self.done), "random": rng,
+                 "log_bytes": log.tell() if log is not None else 0, "rank_digests": digests}
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # a kill while writing leaves the previous last.pt intact
+        return path
+
+    def _restore(self) -> None:
+        path = self.out / LAST
+        if not path.is_file():
+            raise FileNotFoundError(f"--resume: {path} does not exist (run {self.a.run!r} "
+                                    "saved no checkpoint yet); start it without --resume")
+        saved = torch.load(path)
+        diffs = self._differences(saved)
+        if diffs:
+            raise ValueError(f"--resume: {path} was written with other settings: "
+                             + "; ".join(diffs) + ". Resume with the saved settings, or "
+                             "start a new --run.")
+        self.model.load_state_dict(saved["model"])
+        self.opt.load_state_dict(saved["optimizer"])
+        self.done = Progress(**{f.name: saved[f.name] for f in fields(Progress)})
+        rng = saved["random"][rank()]
+        self.gen.set_state(rng["generator"])
+        torch.set_rng_state(rng["torch"])
+        self.log_bytes = saved["log_bytes"]
+        if self.main:
+            print(f"resuming {self.a.run} at step {self.done.step} "
+                  f"({self.done.train_seconds:.0f} s trained)")
+
+    def _differences(self, saved: dict[str, Any]) -> list[str]:
+        """The saved settings that differ from this invocation's, as readable lines."""
+        now, before = args_dict(self.a), saved["args"]
+        out = [f"--{k.replace('_', '-')} {before.get(k)!r} -> {now.get(k)!r}"
+               for k in sorted((now.keys() | before.keys()) - RUN_CONTROL)
+               if before.get(k) != now.get(k)]
+        if saved["data_sha256"] != self.data_sha:
+            out.append(f"dataset {self.a.data!r} changed since (manifest sha256 "
+                       f"{saved['data_sha256'][:12]} -> {self.data_sha[:12]})")
+        cfg = saved["config"]
+        out += [f"drafter config {k}: {cfg.get(k)!r} -> {self.config.get(k)!r}"
+                for k in sorted(cfg.keys() | self.config.keys())
+                if cfg.get(k) != self.config.get(k)]
+        if saved["world_size"] != self.world:
+            out.append(f"processes {saved['world_size']} -> {self.world} (each draws "
+                       "its own sequences)")
+        return out
+
+    def _open_log(self) -> TextIO | None:
+        """log.jsonl on rank 0: new, or on resume cut back to the checkpoint and appended."""
+        if not self.main:
+            return None
+        path = self.out / LOG
+        if not self.a.resume:
+            return path.open("w")
+        if path.is_file() and path.stat().st_size > self.log_bytes:
+            with path.open("r+") as f:  # steps after the checkpoint are trained again
+                f.truncate(self.log_bytes)
+        return path.open("a")
+
+    def save_final(self, config: dict[str, Any], state: dict[str, torch.Tensor],
+                   meta: dict[str, Any]) -> Path:
+        """Write final.pt (config, float32 state, metadata) and meta.json."""
+        path = self.out / FINAL
+        torch.save({"config": config, "state": state, "meta": meta}, path)
+        (self.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        return path
+
+
+def args_dict(a: TrainArgs) -> dict[str, Any]:
+    return {k: v for k, v in asdict(a).items() if k != "extra"}
+
+
+def meta_args(a: TrainArgs) -> dict[str, Any]:
+    """The settings that describe a run (not how one invocation of it was steered)."""
+    return {k: v for k, v in args_dict(a).items() if k not in ("resume", "stop_after")}
+
+
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 of a state dict: equal on every rank while training is in sync."""
+    h = hashlib.sha256()
+    for name, t in sorted(state.items()):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
