@@ -29,13 +29,11 @@ from typing import Any
 import pytest
 import torch
 from engine_runner import run_engine
-from tiny_models import make_tiny_target
+from tiny_models import make_tiny_target, write_cached_dataset
 
 from train.baseline import BaselineArgs, train_baseline
 from train.carryover import CarryoverArgs, train_carryover
-from train.data import write_dataset
-from train.paths import data_dir, run_dir
-from train.target_states import aux_states, states_file, truncated_decoder
+from train.paths import run_dir
 from vllm_carryover.checkpoint import load_drafter_state
 from vllm_carryover.init_drafter import default_target_layers
 
@@ -80,13 +78,7 @@ def write_target_dataset(target: Path, layer_ids: list[int]) -> None:
         rows.append({"id": f"r{i}", "group": f"g{i}", "category": "chat", "messages": [],
                      "prompt_ids": prompt, "response_ids": greedy(model, prompt, 16),
                      "response": "", "split": "heldout" if i % 5 == 0 else "train"})
-    folder = data_dir(DATA)
-    manifest = write_dataset(folder, rows, {"target": str(target)})
-    decoder = truncated_decoder(str(target), max(layer_ids))
-    seqs = [r["prompt_ids"] + r["response_ids"] for r in rows]
-    states = [s.to(torch.bfloat16).clone() for s in aux_states(decoder, seqs, layer_ids)]
-    torch.save({"layer_ids": list(layer_ids), "lengths": [len(s) for s in seqs],
-                "states": states}, states_file(folder, manifest["sha256"], layer_ids))
+    write_cached_dataset(target, DATA, rows, layer_ids)
 
 
 def export_run(target: Path, run: str, out: Path, cache: Path) -> Path:

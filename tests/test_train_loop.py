@@ -17,12 +17,10 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import make_tiny_drafter, make_tiny_target
+from tiny_models import make_tiny_drafter, make_tiny_target, write_cached_dataset
 
 from train.__main__ import main
-from train.data import write_dataset
-from train.paths import data_dir, run_dir
-from train.target_states import aux_states, states_file, truncated_decoder
+from train.paths import run_dir
 from train.trainer import weights_digest
 from vllm_carryover.init_drafter import default_target_layers
 
@@ -59,13 +57,7 @@ def write_tiny_dataset(target: Path, layer_ids: list[int]) -> None:
         rows.append({"id": f"r{i}", "group": f"g{i}", "category": "chat", "messages": [],
                      "prompt_ids": toks[:n_prompt], "response_ids": toks[n_prompt:],
                      "response": "", "split": "heldout" if i % 5 == 0 else "train"})
-    folder = data_dir(DATA)
-    manifest = write_dataset(folder, rows, {"target": str(target)})
-    decoder = truncated_decoder(str(target), max(layer_ids))
-    seqs = [r["prompt_ids"] + r["response_ids"] for r in rows]
-    states = [s.to(torch.bfloat16).clone() for s in aux_states(decoder, seqs, layer_ids)]
-    torch.save({"layer_ids": list(layer_ids), "lengths": [len(s) for s in seqs],
-                "states": states}, states_file(folder, manifest["sha256"], layer_ids))
+    write_cached_dataset(target, DATA, rows, layer_ids)
 
 
 def recipe_argv(recipe: str, setup: dict[str, Path], run: str, *extra: str) -> list[str]:

@@ -47,3 +47,20 @@ def torch_drafter_for(drafter: Path, target: Path) -> TorchDrafter:
                          target_state["model.embed_tokens.weight"].float())
     model.load_checkpoint_state(state)
     return model.eval()
+
+
+def write_cached_dataset(target: Path, name: str, rows: list[dict], layer_ids: list[int]
+                         ) -> None:
+    """A training dataset in the cache plus its bf16 target-state file, written directly
+    (no Ray, no vLLM) the way `python -m train data` leaves them."""
+    from train.data import write_dataset
+    from train.paths import data_dir
+    from train.target_states import aux_states, states_file, truncated_decoder
+
+    folder = data_dir(name)
+    manifest = write_dataset(folder, rows, {"target": str(target)})
+    decoder = truncated_decoder(str(target), max(layer_ids))
+    seqs = [r["prompt_ids"] + r["response_ids"] for r in rows]
+    states = [s.to(torch.bfloat16).clone() for s in aux_states(decoder, seqs, layer_ids)]
+    torch.save({"layer_ids": list(layer_ids), "lengths": [len(s) for s in seqs],
+                "states": states}, states_file(folder, manifest["sha256"], layer_ids))
