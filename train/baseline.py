@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from train.data import load_manifest, load_samples
+from train.data import load_samples
 from train.dflash_loss import (
     IGNORE,
     BlockStats,
@@ -27,7 +27,7 @@ from train.dflash_loss import (
 from train.distributed import rank0_first
 from train.options import BaselineArgs
 from train.paths import data_dir, run_dir
-from train.target_states import extract, states_file
+from train.target_states import dataset_states
 from train.trainer import SeqResult, Sequence, Trainer, meta_args
 from train.vocab_subset import remap_labels, restricted_head
 from vllm_carryover.checkpoint import (
@@ -52,14 +52,12 @@ def target_embedding(target: str) -> torch.Tensor:
 def load_sequences(target: str, data: str, layer_ids: list[int]) -> dict[str, list[Sequence]]:
     """Train / heldout sequences with their cached aux states."""
     folder = data_dir(data)
-    sha = load_manifest(folder)["sha256"]
-    rows = load_samples(folder)
-    toks = [r["prompt_ids"] + r["response_ids"] for r in rows]
-    states = extract(target, toks, layer_ids, states_file(folder, sha, layer_ids))
+    states = dataset_states(target, folder, layer_ids)
     out: dict[str, list[Sequence]] = {"train": [], "heldout": []}
-    for r, t, s in zip(rows, toks, states, strict=True):
+    for r, s in zip(load_samples(folder), states, strict=True):
         if len(r["response_ids"]) >= 2:
-            out[r["split"]].append(Sequence(torch.tensor(t), len(r["prompt_ids"]), s))
+            toks = torch.tensor(r["prompt_ids"] + r["response_ids"])
+            out[r["split"]].append(Sequence(toks, len(r["prompt_ids"]), s))
     return out
 
 
