@@ -29,6 +29,9 @@ setup(
         "test": ["pytest", "hypothesis", "openai", "ruff", "gguf", "accelerate", "ray"],
         "train": ["ray", "gguf", "accelerate", "matplotlib", "chitchat-dataset",
                   "reasoning-gym==0.1.25"],
+        # `python -m benchmarks`: the held-out prompts come from the train corpora;
+        # `vllm bench serve` reads its custom JSONL prompts with pandas.
+        "bench": ["pandas", "matplotlib", "chitchat-dataset", "reasoning-gym==0.1.25"],
     },
     entry_points={
         "vllm.general_plugins": ["carryover = vllm_carryover:register"],

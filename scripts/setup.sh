@@ -9,8 +9,8 @@ PY=${PYTHON:-python3}
 BUILD=${VLLM_CARRYOVER_BUILD:-cpu}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 
-echo "== installing vllm-carryover[$BUILD,train,test] =="
-$PY -m pip install -q -e ".[$BUILD,train,test]"
+echo "== installing vllm-carryover[$BUILD,train,test,bench] =="
+$PY -m pip install -q -e ".[$BUILD,train,test,bench]"
 # train/: the translation prompts come from two Debian Bible modules (public domain).
 SWORD=/usr/share/sword/modules/texts/ztext
 if [ ! -d "$SWORD/engKJV2006eb" ] || [ ! -d "$SWORD/spaRV1909eb" ]; then

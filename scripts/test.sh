@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=${PYTHON:-python3}
 $PY -m ruff check .
-exec $PY -m pytest tests -q -p no:cacheprovider "$@"
+exec $PY -m pytest tests -q -p no:cacheprovider --durations=25 "$@"

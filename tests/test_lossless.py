@@ -32,12 +32,13 @@ def prompts(smollm2: Path) -> list[list[int]]:
 
 
 def generate(smollm2: Path, prompts: list[list[int]], workdir: Path, name: str,
-             drafter: Path | None = None, dtype: str = "float32", k: int = 7) -> dict:
+             drafter: Path | None = None, dtype: str = "float32", k: int = 7,
+             **spec_keys: object) -> dict:
     engine = {"dtype": dtype, "enable_prefix_caching": True, "max_num_batched_tokens": 128,
               "enable_chunked_prefill": True}
     if drafter is not None:
         engine["speculative_config"] = {"method": "carryover", "model": str(drafter),
-                                        "num_speculative_tokens": k}
+                                        "num_speculative_tokens": k, **spec_keys}
     return run_engine({"model": str(smollm2), "prompts": prompts, "max_tokens": MAX_TOKENS,
                        "engine": engine}, workdir, name)
 
@@ -76,6 +77,22 @@ def test_float32_trained_drafter_is_token_identical_with_accepted_drafts(
         assert co["carryover_rejected_states"] < k * nonempty  # partly filled slots
     else:
         assert 0 < nonempty < drafts  # whole acceptances leave the next slot empty
+
+
+def test_batch_size_schedule_drafts_only_in_small_batches_and_stays_identical(
+        smollm2, prompts, trained_drafter, reference_fp32, tmp_path):
+    """vLLM's `num_speculative_tokens_per_batch_size` with carryover (the benchmarks'
+    adaptive row): K=7 while at most 8 requests run, no drafting above. Chunked prefill
+    fills the batch step by step and it empties again at the end, so both regimes and
+    the switches between them (slots left behind by K=0 steps) occur."""
+    schedule = [[1, 8, 7], [9, 1024, 0]]
+    out = generate(smollm2, prompts, tmp_path, "carryover-schedule", trained_drafter,
+                   num_speculative_tokens_per_batch_size=schedule)
+    assert out["token_ids"] == reference_fp32["token_ids"]
+    spec = out["spec"]
+    assert spec["spec_decode_num_accepted_tokens"] > 0
+    steps_with_drafts = spec["spec_decode_num_drafts"] / len(prompts)
+    assert 0 < steps_with_drafts < 0.5 * MAX_TOKENS  # most steps ran with 16 requests
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

@@ -82,6 +82,8 @@ def math_prompts(counts: dict[str, int], rnd: random.Random) -> list[Prompt]:
 
     out: list[Prompt] = []
     for split, n in counts.items():
+        if n == 0:  # the generator refuses size 0
+            continue
         seed = _MATH_SEEDS[split]
         ds = reasoning_gym.create_dataset("gsm_symbolic", size=n, seed=seed)
         for i, item in enumerate(ds):

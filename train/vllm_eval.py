@@ -85,7 +85,7 @@ class EvalSettings:
     """Everything that is the same for all rows of one evaluation."""
 
     target: str
-    data: Path
+    data: Path | None  # None: the caller hands run_eval its prompts
     categories: list[str] | None = None
     num_prompts: int = 16
     max_tokens: int = 128
@@ -398,26 +398,31 @@ def markdown_table(result: dict[str, Any], metric: str = "tau") -> str:
     return "\n".join(lines)
 
 
-def _command_line() -> str:
+def command_line() -> str:
+    """How this process was started, as a user would type it (for result files)."""
     argv = sys.argv
-    if Path(argv[0]).name == "__main__.py" and Path(argv[0]).parent.name == "train":
-        return shlex.join(["python", "-m", "train", *argv[1:]])
+    if Path(argv[0]).name == "__main__.py":
+        return shlex.join(["python", "-m", Path(argv[0]).parent.name, *argv[1:]])
     return shlex.join(["python", *argv])
 
 
-def run_eval(rows: list[Row], s: EvalSettings, out: Path) -> dict[str, Any]:
-    """Evaluate every row (one process each, one after another); write `out` after
-    each row, so a failure keeps the rows already measured."""
+def run_eval(rows: list[Row], s: EvalSettings, out: Path,
+             prompts: dict[str, list[list[int]]] | None = None) -> dict[str, Any]:
+    """Evaluate every row (one process each, one after another) on `prompts` (default:
+    the held-out split of `s.data`); write `out` after each row, so a failure keeps the
+    rows already measured."""
     configs = check_rows(rows, s.k)
     ratios = active_ratios([r.name for r in rows], s.ratios)
-    prompts = heldout_prompts(s.data, s.categories, s.num_prompts)
-    manifest = s.data / MANIFEST_FILE
+    if prompts is None:
+        assert s.data is not None, "run_eval needs a dataset or prompts"
+        prompts = heldout_prompts(s.data, s.categories, s.num_prompts)
+    manifest = s.data / MANIFEST_FILE if s.data is not None else None
     result: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": _command_line(),
-        "args": {"target": s.target, "data": str(s.data),
+        "command": command_line(),
+        "args": {"target": s.target, "data": str(s.data) if s.data is not None else None,
                  "data_sha256": json.loads(manifest.read_text()).get("sha256")
-                 if manifest.is_file() else None,
+                 if manifest is not None and manifest.is_file() else None,
                  "rows": {r.name: r.spec for r in rows}, "num_prompts": s.num_prompts,
                  "max_tokens": s.max_tokens, "k": s.k, "dtype": s.dtype,
                  "temperature": 0.0, "max_model_len": MAX_MODEL_LEN,

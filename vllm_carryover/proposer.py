@@ -23,6 +23,7 @@ from vllm_carryover.draft_trace import DraftTrace
 from vllm_carryover.metrics import CarryoverCounters
 from vllm_carryover.slot_table import ENV_CHECK, SlotTable, checks_enabled, round_slots
 from vllm_carryover.speculative_config import CarryoverSettings
+from vllm_carryover.step_timer import StepTimer
 from vllm_carryover.vllm_drafter import ARCHITECTURE
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
@@ -37,6 +38,7 @@ class CarryoverProposer(DFlashProposer):
         self.counters = CarryoverCounters.for_this_process()
         self._layout: SlotLayout | None = None
         self.trace = DraftTrace.from_env()
+        self.step_timer = StepTimer.from_env(device)
         self._runner = runner  # for request ids in traces and slot checks
         self.slot_table: SlotTable | None = None  # built on the first checked round
         self.check_slots = checks_enabled()
@@ -44,6 +46,15 @@ class CarryoverProposer(DFlashProposer):
             logger.info("Carryover slot ownership is checked every round (%s=1).", ENV_CHECK)
         logger.info("Carryover drafting: context from rejected states is %s.",
                     "on" if self.settings.enabled else "off (matched DFlash baseline)")
+
+    @override
+    def propose(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.step_timer is None:
+            return super().propose(*args, **kwargs)
+        with self.step_timer.step(self, args, kwargs) as step:  # the draft-step benchmark
+            drafts = super().propose(*args, **kwargs)
+            step.carried = int(self._layout.carried.sum()) if self._layout is not None else 0
+        return drafts
 
     @override
     def _get_model(self) -> torch.nn.Module:

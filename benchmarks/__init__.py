@@ -1,0 +1,1 @@
+"""Benchmarks of carryover against what users would run instead, through real vLLM."""

@@ -1,0 +1,438 @@
+"""`python -m benchmarks draft-step`: latency of one drafting step, carryover on vs off.
+
+What is timed: the proposer's whole `propose` call inside the vLLM worker (the
+drafter's context projection, its forward over the query block, sampling), via
+`VLLM_CARRYOVER_STEP_TIMES` (`vllm_carryover.step_timer`). Scheduling, the
+target's verify forward and IPC are left out, so the step's own cost shows.
+
+How: two real vLLM engines, each in its own process and alive the whole run, on
+the same target and the same carryover drafter, one with `"carryover": true`
+("on") and one with `"carryover": false` ("off", plain DFlash drafting on the
+same weights). Both get the same held-out prompts (categories mixed), greedy,
+`ignore_eos`, all of a batch at once. Timings on this small shared CPU drift by
+more than the effect, so the two rows are measured interleaved in one run: per
+repeat and batch size, one engine generates while the other idles, then the
+other (the order alternates), and the result is the ratio on/off of the median
+step times. (Two engines generating at once would also fight over the cores
+vLLM's CPU backend pins its workers to.)
+
+Kept steps: full-batch decode steps (the requested batch, 1 + K verified rows
+per request), minus the first `--warmup-steps` of each command. The batch fills
+over the first steps (prefill) and thins out at the end, because requests that
+accept more drafts reach `--max-tokens` sooner. Writes draft_step.json (with
+every step), draft_step.md, draft_step.png and the engines' logs to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+from benchmarks.report import (
+    DTYPE_HELP,
+    DTYPES,
+    default_dtype,
+    default_out_dir,
+    fmt,
+    header,
+    markdown_table,
+    pyplot,
+    ratio,
+    write_json,
+)
+from train.paths import REPO
+from train.vllm_eval import SMOLLM2, check_rows, parse_row
+from vllm_carryover.server_process import die_with_parent
+
+CHILD_MODULE = "benchmarks.draft_step"
+DEFAULT_DRAFTER = SMOLLM2 / "carryover"
+ROWS = ("on", "off")
+MAX_MODEL_LEN = 1024
+KV_CACHE_BYTES = 1 << 30
+GOAL_BATCH, GOAL_RATIO = 8, 1.05  # the issue's goal: on/off <= 1.05 at batch 8
+PROMPTS_PER_CATEGORY = 8
+WARMUP_TOKENS = 4  # warm-up command per engine: first shapes, allocator
+SETTLE_S = 0.5  # pause between commands, so one engine is idle before the other runs
+SIZES: dict[str, dict[str, Any]] = {
+    "quick": {"batches": (1, 8), "repeats": 1, "max_tokens": 32},
+    "full": {"batches": (1, 8, 32), "repeats": 3, "max_tokens": 64},
+}
+
+EPILOG = """\
+sizes (explicit --batches / --repeats / --max-tokens win):
+  --quick   batches 1 8, 1 repeat, 32 tokens (a few minutes on a 2-core CPU)
+  full      batches 1 8 32, 3 repeats, 64 tokens
+
+example:
+  python -m benchmarks draft-step --quick
+  python -m benchmarks draft-step --batches 1 8 --repeats 5 --out /tmp/draft-step
+"""
+
+
+@dataclass
+class DraftStepSettings:
+    """Everything one run measures with; recorded as the result's `args`."""
+
+    target: str
+    drafter: str = str(DEFAULT_DRAFTER)
+    batches: tuple[int, ...] = SIZES["full"]["batches"]
+    repeats: int = SIZES["full"]["repeats"]
+    max_tokens: int = SIZES["full"]["max_tokens"]
+    k: int = 7
+    dtype: str = "bfloat16"
+    warmup_steps: int = 2
+    timeout_s: float = 600.0  # per engine start and per command
+    size: str = "full"
+
+
+def _interleaved_prompts(target: str, n: int) -> list[list[int]]:
+    """`n` held-out prompts as chat token ids, categories round-robin, so even a
+    small batch mixes chat, code, math and translation."""
+    from benchmarks.eval_prompts import chat_token_ids, heldout_prompts
+
+    per_category = chat_token_ids(target, heldout_prompts(PROMPTS_PER_CATEGORY))
+    mixed = [p for group in zip(*per_category.values(), strict=True) for p in group]
+    return [mixed[i % len(mixed)] for i in range(n)]
+
+
+def _child(job_file: Path, reply_fd: int) -> None:
+    """Inside a row's process: one engine; commands on stdin, one reply line each.
+
+    A command is `{"prompts": [token ids, ...], "max_tokens": N}`; its reply holds
+    the step records the worker wrote meanwhile. Replies go to their own pipe, so
+    vLLM's output (to the log file) never mixes in. The process leads its own
+    process group; on SIGTERM (also sent when the benchmark dies) it takes the
+    engine's processes down with it.
+    """
+    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+    job = json.loads(job_file.read_text())
+    replies = os.fdopen(reply_fd, "w")
+
+    def reply(event: dict[str, Any]) -> None:
+        replies.write(json.dumps(event) + "\n")
+        replies.flush()
+
+    from vllm import LLM, SamplingParams
+
+    from vllm_carryover.step_timer import ENV, read_steps
+
+    start = time.perf_counter()
+    llm = LLM(model=job["target"], speculative_config=job["speculative_config"],
+              dtype=job["dtype"], enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+              kv_cache_memory_bytes=KV_CACHE_BYTES, seed=0)
+    reply({"event": "ready", "startup_seconds": round(time.perf_counter() - start, 2)})
+    steps_dir, offsets = os.environ[ENV], {}
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        params = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"],
+                                ignore_eos=True, detokenize=False)
+        prompts = [{"prompt_token_ids": p} for p in cmd["prompts"]]
+        read_steps(steps_dir, offsets)  # skip anything recorded before this command
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        reply({"event": "done", "seconds": round(time.perf_counter() - start, 3),
+               "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+               "steps": read_steps(steps_dir, offsets)})
+
+
+class _Engine:
+    """One row's engine process: JSON commands on its stdin, replies on a pipe,
+    vLLM's output in a log file. `kill()` takes down its whole process group."""
+
+    def __init__(self, name: str, job: dict[str, Any], workdir: Path, log_file: Path) -> None:
+        self.name, self.log_file = name, log_file
+        job_file = workdir / f"{name}.json"
+        job_file.write_text(json.dumps(job))
+        env = {**os.environ, "VLLM_CARRYOVER_STEP_TIMES": str(workdir / f"steps-{name}")}
+        env.pop("VLLM_CARRYOVER_METRICS_DIR", None)  # each engine makes its own
+        read_end, write_end = os.pipe()
+        with self.log_file.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", CHILD_MODULE, str(job_file), str(write_end)],
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                cwd=REPO, pass_fds=(write_end,), start_new_session=True,
+                preexec_fn=die_with_parent)
+        os.close(write_end)
+        self._replies = read_end
+        self._buffer = b""
+
+    def send(self, command: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(command) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def receive(self, timeout_s: float) -> dict[str, Any]:
+        """The next reply; fails with the log's tail if the engine dies or stalls."""
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buffer:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine {self.name} exited with {self.proc.returncode}; "
+                                   f"last lines of {self.log_file}:\n{self.tail()}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"engine {self.name}: no reply in {timeout_s:.0f} s; "
+                                   f"last lines of {self.log_file}:\n{self.tail()}")
+            if select.select([self._replies], [], [], min(left, 1.0))[0]:
+                self._buffer += os.read(self._replies, 1 << 16)
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return json.loads(line)
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+
+    def kill(self, wait_s: float = 30.0) -> None:
+        """SIGKILL the group, then wait until its processes are really gone: the
+        engine's own processes are not our children, and a killed process with a
+        large address space takes a moment to die."""
+        try:
+            members = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            members = []
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        os.close(self._replies)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and any(_alive(p) for p in members):
+            time.sleep(0.1)
+
+
+def _alive(process: psutil.Process) -> bool:
+    """Running and not yet a zombie (a zombie holds no memory and no core)."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def kept_steps(steps: list[dict[str, Any]], batch: int, k: int,
+               warmup: int) -> list[dict[str, Any]]:
+    """Full-batch decode steps of one command, after its first `warmup` ones."""
+    decode = [s for s in steps if s["batch"] == batch and s["tokens"] == batch * (k + 1)]
+    return decode[warmup:]
+
+
+def step_stats(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median, p90 and mean step time (ms) and carried / rejected states per step."""
+    if not steps:
+        return {"steps": 0, "median_ms": None, "p90_ms": None, "mean_ms": None,
+                "carried_per_step": None, "rejected_per_step": None}
+    ms = np.array([s["seconds"] * 1e3 for s in steps])
+    return {"steps": len(steps),
+            "median_ms": round(float(np.median(ms)), 4),
+            "p90_ms": round(float(np.percentile(ms, 90)), 4),
+            "mean_ms": round(float(ms.mean()), 4),
+            "carried_per_step": round(float(np.mean([s["carried"] for s in steps])), 3),
+            "rejected_per_step": round(float(np.mean([s["rejected"] or 0 for s in steps])), 3)}
+
+
+def summary_table(result: dict[str, Any]) -> str:
+    """One line per batch size: both rows' median and p90, the ratio, the counts."""
+    lines = []
+    for b in result["args"]["batches"]:
+        on, off = (result["rows"][r]["batches"][str(b)] for r in ROWS)
+        lines.append([str(b), fmt(on["median_ms"], 2), fmt(on["p90_ms"], 2),
+                      fmt(off["median_ms"], 2), fmt(off["p90_ms"], 2),
+                      fmt(result["ratios"][str(b)]),
+                      " ".join(fmt(r, 3) for r in result["ratios_per_repeat"][str(b)]),
+                      f"{on['steps']} / {off['steps']}", fmt(on["carried_per_step"], 2)])
+    return markdown_table(["batch", "on median ms", "on p90 ms", "off median ms",
+                           "off p90 ms", "on/off (median)", "on/off per repeat",
+                           "steps on / off", "carried states / step (on)"], lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Step ms against batch size (median, p90 dashed) and the on/off ratio."""
+    plt = pyplot()
+    batches = result["args"]["batches"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, color in zip(ROWS, ("tab:red", "tab:blue"), strict=True):
+        per = result["rows"][name]["batches"]
+        left.plot(batches, [per[str(b)]["median_ms"] for b in batches], "o-", color=color,
+                  label=f"carryover {name} (median)")
+        left.plot(batches, [per[str(b)]["p90_ms"] for b in batches], "--", color=color,
+                  alpha=0.5, label=f"carryover {name} (p90)")
+    left.set(xscale="log", xlabel="batch size", ylabel="drafting step (ms)",
+             title="drafting step latency")
+    left.set_xticks(batches, [str(b) for b in batches])
+    left.minorticks_off()
+    left.legend()
+    right.plot(batches, [result["ratios"][str(b)] for b in batches], "o-", color="black")
+    right.axhline(GOAL_RATIO, color="tab:green", linestyle=":", label=f"goal {GOAL_RATIO}x")
+    right.axhline(1.0, color="gray", linewidth=0.8)
+    right.set(xscale="log", xlabel="batch size", ylabel="on / off (median)",
+              title="carryover cost")
+    right.set_xticks(batches, [str(b) for b in batches])
+    right.minorticks_off()
+    right.legend()
+    fig.suptitle(f"{result['machine']['platform']}, {result['machine']['cpus']} CPUs, "
+                 f"K={result['args']['k']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _interleave(engines: dict[str, _Engine], prompts: list[list[int]],
+                s: DraftStepSettings) -> list[dict[str, Any]]:
+    """Every (repeat, batch) on both engines in turn, the order alternating; one
+    record per command with all its steps and the kept ones."""
+    records = []
+    for rep in range(s.repeats):
+        for i, batch in enumerate(s.batches):
+            for name in ROWS if (rep + i) % 2 == 0 else ROWS[::-1]:
+                engines[name].send({"prompts": prompts[:batch], "max_tokens": s.max_tokens})
+                reply = engines[name].receive(s.timeout_s)
+                kept = kept_steps(reply["steps"], batch, s.k, s.warmup_steps)
+                records.append({"row": name, "repeat": rep, "batch": batch,
+                                "seconds": reply["seconds"],
+                                "output_tokens": reply["output_tokens"],
+                                "steps": reply["steps"], "kept": kept})
+                st = step_stats(kept)
+                print(f"[repeat {rep + 1}/{s.repeats}] batch {batch} {name}: {st['steps']} "
+                      f"steps, median {fmt(st['median_ms'], 2)} ms, p90 "
+                      f"{fmt(st['p90_ms'], 2)} ms, carried {fmt(st['carried_per_step'], 1)}"
+                      f"/step ({reply['seconds']:.1f} s)", flush=True)
+                time.sleep(SETTLE_S)
+    return records
+
+
+def _summarize(result: dict[str, Any], records: list[dict[str, Any]],
+               s: DraftStepSettings) -> None:
+    """Per row and batch the pooled step statistics, the on/off ratios (pooled and per
+    repeat), the goal, and every command's raw steps; in place."""
+    def kept(row: str, batch: int, rep: int | None = None) -> list[dict[str, Any]]:
+        return [x for r in records if r["row"] == row and r["batch"] == batch
+                and rep in (None, r["repeat"]) for x in r["kept"]]
+
+    def median(row: str, batch: int, rep: int | None = None) -> float | None:
+        return step_stats(kept(row, batch, rep))["median_ms"]
+
+    def on_off(batch: int, rep: int | None = None) -> float | None:
+        value = ratio(median("on", batch, rep), median("off", batch, rep))
+        return None if value is None else round(value, 4)
+
+    for name in ROWS:
+        result["rows"][name]["batches"] = {str(b): step_stats(kept(name, b))
+                                           for b in s.batches}
+        result["rows"][name]["commands"] = [
+            {"repeat": r["repeat"], "batch": r["batch"], "seconds": r["seconds"],
+             "output_tokens": r["output_tokens"], "kept": len(r["kept"]),
+             "steps": [[round(x["seconds"] * 1e3, 3), x["batch"], x["tokens"], x["rejected"],
+                        x["carried"]] for x in r["steps"]]}
+            for r in records if r["row"] == name]
+    result["raw_step_fields"] = ["ms", "batch", "tokens", "rejected", "carried"]
+    result["ratios"] = {str(b): on_off(b) for b in s.batches}
+    result["ratios_per_repeat"] = {str(b): [on_off(b, rep) for rep in range(s.repeats)]
+                                   for b in s.batches}
+    goal = result["ratios"].get(str(GOAL_BATCH))
+    result["goal"] = {"batch": GOAL_BATCH, "max_ratio": GOAL_RATIO, "ratio": goal,
+                      "met": None if goal is None else goal <= GOAL_RATIO}
+    result["table"] = summary_table(result)
+
+
+def run_draft_step(s: DraftStepSettings, out: Path) -> dict[str, Any]:
+    """Measure both rows interleaved; write JSON, markdown and PNG to `out`."""
+    rows = [parse_row(f"{name}={kind}:{s.drafter}")
+            for name, kind in zip(ROWS, ("carryover", "carryover-off"), strict=True)]
+    configs = check_rows(rows, s.k)  # fails on a missing drafter before anything starts
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="draft-step-") as tmp:
+        engines: dict[str, _Engine] = {}
+        try:
+            for name in ROWS:
+                job = {"target": s.target, "speculative_config": configs[name],
+                       "dtype": s.dtype}
+                engines[name] = _Engine(name, job, Path(tmp), out / f"engine-{name}.log")
+            # while the engines load:
+            result: dict[str, Any] = {**header(), "args": asdict(s), "rows": {},
+                                      "child_pids": [e.proc.pid for e in engines.values()]}
+            result["machine"]["cpus_usable"] = len(os.sched_getaffinity(0))
+            prompts = _interleaved_prompts(s.target, max(s.batches))
+            for name, engine in engines.items():
+                ready = engine.receive(s.timeout_s)
+                print(f"[{name}] engine ready in {ready['startup_seconds']:.1f} s", flush=True)
+                result["rows"][name] = {"speculative_config": configs[name],
+                                        "startup_seconds": ready["startup_seconds"]}
+                engine.send({"prompts": prompts, "max_tokens": WARMUP_TOKENS})
+                engine.receive(s.timeout_s)  # warm-up, not measured
+            records = _interleave(engines, prompts, s)
+        finally:
+            for engine in engines.values():
+                engine.kill()
+    _summarize(result, records, s)
+    write_json(out / "draft_step.json", result)
+    (out / "draft_step.md").write_text(
+        f"### Drafting step, carryover on vs off (K={s.k}, {s.dtype}, {s.max_tokens} tokens, "
+        f"{s.repeats} repeat(s), interleaved)\n\n{result['table']}\n\n"
+        f"`{result['command']}`, {result['date']}, {result['machine']['platform']}\n")
+    plot(result, out / "draft_step.png")
+    return result
+
+
+def _cmd_draft_step(a: argparse.Namespace) -> None:
+    size = SIZES["quick" if a.quick else "full"]
+    if a.target:
+        target = str(Path(a.target).resolve()) if Path(a.target).exists() else a.target
+    else:
+        from vllm_carryover.testbed import smollm2_path
+
+        target = str(smollm2_path())
+    settings = DraftStepSettings(
+        target=target, drafter=a.drafter, k=a.k, dtype=a.dtype or default_dtype(),
+        warmup_steps=a.warmup_steps,
+        batches=tuple(a.batches or size["batches"]), repeats=a.repeats or size["repeats"],
+        max_tokens=a.max_tokens or size["max_tokens"], timeout_s=a.timeout,
+        size="quick" if a.quick else "full")
+    out = Path(a.out) if a.out else default_out_dir("draft-step")
+    result = run_draft_step(settings, out)
+    print(f"\ndrafting step, carryover on vs off (K={settings.k}, {settings.dtype}):\n")
+    print(result["table"])
+    goal = result["goal"]
+    if goal["ratio"] is not None:
+        print(f"\ngoal at batch {goal['batch']}: on/off {goal['ratio']:.3f} "
+              f"{'<=' if goal['met'] else '>'} {goal['max_ratio']}")
+    print(f"\n{out}")
+
+
+def add_cli(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `draft-step` subcommand to `python -m benchmarks`'s subparsers."""
+    p = subparsers.add_parser(
+        "draft-step", help="drafting-step latency, carryover on vs off (interleaved)",
+        description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the small size (see below)")
+    p.add_argument("--batches", type=int, nargs="+", metavar="N",
+                   help="batch sizes (concurrent requests)")
+    p.add_argument("--repeats", type=int, metavar="N", help="passes over all batch sizes")
+    p.add_argument("--max-tokens", type=int, metavar="N", help="new tokens per request")
+    p.add_argument("--warmup-steps", type=int, default=2, metavar="N",
+                   help="decode steps dropped at the start of each command")
+    p.add_argument("--drafter", default=str(DEFAULT_DRAFTER), metavar="PATH",
+                   help="carryover drafter folder (default: the shipped SmolLM2 one)")
+    p.add_argument("--target", metavar="PATH",
+                   help="target folder (default: the testbed SmolLM2 folder)")
+    p.add_argument("-k", type=int, default=7, help="drafted tokens per step")
+    p.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="seconds allowed per engine start and per command")
+    p.add_argument("--out", metavar="DIR", help="result folder (default: "
+                   "$VLLM_CARRYOVER_CACHE/benchmarks/draft-step/DATE-TIME)")
+    p.set_defaults(fn=_cmd_draft_step)
+    return p
+
+
+if __name__ == "__main__":
+    _child(Path(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,36 @@
+"""The benchmarks' prompts: held-out prompts of the four training categories.
+
+Built straight from the offline corpora by `train.prompts` (the held-out split:
+conversations, stdlib modules, generator seed and Bible books the shipped
+drafters never saw in training), so a fresh machine needs no generated dataset.
+Every row of a benchmark gets exactly the same prompts.
+"""
+
+from __future__ import annotations
+
+from train.prompts import CATEGORIES, Prompt, build_prompts
+
+
+def heldout_prompts(num_per_category: int, categories: tuple[str, ...] = CATEGORIES,
+                    seed: int = 0) -> dict[str, list[Prompt]]:
+    """The first `num_per_category` held-out prompts of each category, in category order."""
+    prompts = build_prompts(0, num_per_category, seed, tuple(categories))
+    return {c: [p for p in prompts if p.category == c] for c in categories}
+
+
+def chat_texts(target: str, prompts: dict[str, list[Prompt]]) -> dict[str, list[str]]:
+    """Each prompt rendered with the target's chat template (generation prompt added),
+    as the text a completions request sends."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    return {c: [tok.apply_chat_template(p.messages, add_generation_prompt=True,
+                                        tokenize=False) for p in ps]
+            for c, ps in prompts.items()}
+
+
+def chat_token_ids(target: str, prompts: dict[str, list[Prompt]]) -> dict[str, list[list[int]]]:
+    """Each prompt as chat-templated token ids (what an offline `generate` gets)."""
+    from train.data import prompt_token_ids
+
+    return {c: prompt_token_ids(target, ps) for c, ps in prompts.items()}

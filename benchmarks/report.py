@@ -1,0 +1,79 @@
+"""What every benchmark writes: a JSON result, a markdown summary and PNG plots.
+
+Each result records when, where and how it was made (date, machine, versions,
+the command line), because numbers from these small shared machines mean little
+without that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from train.paths import cache_root
+from train.vllm_eval import command_line
+
+
+def default_out_dir(benchmark: str) -> Path:
+    """$VLLM_CARRYOVER_CACHE/benchmarks/NAME/DATE-TIME: a fresh folder per run."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return cache_root().parent / "benchmarks" / benchmark / stamp
+
+
+DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_HELP = ("default: bfloat16 on a GPU, float32 on a CPU, where bf16 matmuls run at a "
+              "fixed rate per row (8 verified rows cost 8x one) and fp32 ones batch better")
+
+
+def default_dtype() -> str:
+    """bfloat16 where there is a GPU; float32 on CPUs without fast bf16 matmuls (on this
+    project's development CPU a bf16 linear layer costs 8x as much for 8 rows as for 1,
+    an fp32 one 3.5x), which is what decides whether verifying drafts can pay."""
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def header() -> dict[str, Any]:
+    """Date, machine and command line of this run."""
+    import torch
+    import vllm
+
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": command_line(),
+            "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                        "cpus": os.cpu_count(), "torch": torch.__version__,
+                        "vllm": vllm.__version__}}
+
+
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def markdown_table(header_row: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header_row) + " |", "|" + "---|" * len(header_row)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def pyplot():
+    """matplotlib without a display (the benchmarks run headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -1,0 +1,328 @@
+"""`python -m benchmarks serving`: end-to-end throughput and latency of `vllm serve`.
+
+Every row gets its own `vllm serve` on 127.0.0.1 (a free port). All servers are
+started first and stay up; then, for each concurrency, `vllm bench serve` drives
+them one at a time in turn on the same held-out prompts (greedy, completions
+API), the order reversed on every repeat, so slow drifts of a noisy machine hit
+all rows alike. Reported per row and concurrency: output tokens/s, mean TPOT
+and mean TTFT (averaged over repeats), their ratios to no speculation measured
+in the same run, and tau from the server's own spec-decode counters. Every
+server started is stopped on the way out, also when one fails to start.
+
+Writes serving.json, serving.md, serving_throughput.png and the server logs to
+--out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.eval_prompts import chat_texts, heldout_prompts
+from benchmarks.report import (
+    DTYPE_HELP,
+    DTYPES,
+    default_dtype,
+    default_out_dir,
+    fmt,
+    header,
+    markdown_table,
+    pyplot,
+    ratio,
+    write_json,
+)
+from train.prompts import CATEGORIES
+from train.vllm_eval import ROW_HELP, SMOLLM2, Row, check_rows, parse_row
+from vllm_carryover.server_process import VllmServer
+
+# Drafting only while at most ADAPTIVE_MAX_BATCH requests run, plain decoding above
+# (vLLM's batch-size schedule, passed through by the plugin).
+ADAPTIVE_MAX_BATCH = 4
+ADAPTIVE = {"method": "carryover", "model": str(SMOLLM2 / "carryover"),
+            "num_speculative_tokens_per_batch_size": [[1, ADAPTIVE_MAX_BATCH, 7],
+                                                      [ADAPTIVE_MAX_BATCH + 1, 1024, 0]]}
+DEFAULT_ROWS = ["none", "ngram", f"dflash=dflash:{SMOLLM2 / 'dflash-baseline'}",
+                f"carryover-off=carryover-off:{SMOLLM2 / 'carryover'}",
+                f"carryover=carryover:{SMOLLM2 / 'carryover'}",
+                f"carryover-adaptive={json.dumps(ADAPTIVE)}"]
+SIZES: dict[str, dict[str, Any]] = {
+    "quick": {"num_prompts": 2, "max_tokens": 32, "concurrency": [1, 4], "repeats": 1},
+    "full": {"num_prompts": 4, "max_tokens": 64, "concurrency": [1, 4, 16], "repeats": 2}}
+METRICS = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")
+MAX_MODEL_LEN = 1024
+KV_CACHE_BYTES = 1 << 30
+# Goals of the issue, checked where the rows exist: (row, baseline, concurrency, min ratio).
+GOALS = [("carryover", "carryover-off", 1, 1.14), ("carryover", "none", 1, 2.5),
+         ("carryover", "none", 16, 1.0), ("carryover-adaptive", "none", 16, 1.0)]
+
+
+def write_prompts(target: str, num_per_category: int, categories: tuple[str, ...],
+                  path: Path) -> int:
+    """The held-out prompts, chat-templated, as `vllm bench serve`'s custom JSONL."""
+    texts = chat_texts(target, heldout_prompts(num_per_category, categories))
+    lines = [json.dumps({"prompt": t}) for c in categories for t in texts[c]]
+    path.write_text("\n".join(lines) + "\n")
+    return len(lines)
+
+
+def bench_args(server: VllmServer, target: str, prompts: Path, num_prompts: int,
+               concurrency: int, max_tokens: int, result_file: Path) -> list[str]:
+    """The `vllm bench serve` arguments of one run (greedy, the custom prompt file)."""
+    return ["--backend", "vllm", "--base-url", server.url, "--model", target,
+            "--tokenizer", target, "--dataset-name", "custom", "--dataset-path", str(prompts),
+            "--skip-chat-template", "--disable-shuffle", "--custom-output-len", str(max_tokens),
+            "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+            "--request-rate", "inf", "--temperature", "0", "--seed", "0", "--disable-tqdm",
+            "--save-result", "--result-dir", str(result_file.parent),
+            "--result-filename", result_file.name]
+
+
+def vllm_bench_serve(args: list[str], log: Path) -> None:
+    """`vllm bench serve ARGS`, run in this process (the CLI's own parser and entry point,
+    without importing vLLM again for every run); its printout goes to `log`."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    parsed = parser.parse_args(args)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as f, contextlib.redirect_stdout(f):
+        print("$ vllm bench serve " + shlex.join(args), flush=True)
+        try:
+            main(parsed)
+        except Exception as e:
+            raise RuntimeError(f"vllm bench serve failed: {e!r}; see {log}") from e
+
+
+def bench_once(server: VllmServer, target: str, prompts: Path, num_prompts: int,
+               concurrency: int, max_tokens: int, result_file: Path) -> dict[str, Any]:
+    """One `vllm bench serve` run against `server`, with the spec-decode counters it moved."""
+    before = server.metrics()
+    vllm_bench_serve(bench_args(server, target, prompts, num_prompts, concurrency,
+                                max_tokens, result_file),
+                     result_file.parent.parent / "logs" / "vllm-bench-serve.log")
+    raw = json.loads(result_file.read_text())
+    after = server.metrics()
+    drafts = after.get("vllm:spec_decode_num_drafts_total", 0.0) \
+        - before.get("vllm:spec_decode_num_drafts_total", 0.0)
+    accepted = after.get("vllm:spec_decode_num_accepted_tokens_total", 0.0) \
+        - before.get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
+    return {**{m: raw[m] for m in METRICS}, "completed": raw["completed"],
+            "failed": raw.get("failed", 0), "output_tokens": raw["total_output_tokens"],
+            "duration_s": round(raw["duration"], 3), "drafts": int(drafts),
+            "accepted": int(accepted),
+            "tau": round(1 + accepted / drafts, 4) if drafts else None}
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean of each metric over the repeats; counters summed; tau of the sums."""
+    out: dict[str, Any] = {m: round(sum(r[m] for r in runs) / len(runs), 3) for m in METRICS}
+    for key in ("completed", "failed", "output_tokens", "drafts", "accepted"):
+        out[key] = sum(r[key] for r in runs)
+    out["tau"] = round(1 + out["accepted"] / out["drafts"], 4) if out["drafts"] else None
+    out["repeats"] = len(runs)
+    return out
+
+
+def add_ratios(table: dict[str, dict[str, dict[str, Any]]], baseline: str = "none") -> None:
+    """Each metric as a ratio to the baseline row at the same concurrency, in place."""
+    if baseline not in table:
+        return
+    for row in table.values():
+        for c, cell in row.items():
+            base = table[baseline][c]
+            cell["vs_" + baseline] = {m: round(ratio(cell[m], base[m]) or 0, 4) for m in METRICS}
+
+
+def check_goals(table: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The issue's throughput goals for carryover, met or not, where measurable."""
+    out = []
+    for row, base, c, goal in GOALS:
+        key = str(c)
+        if row in table and base in table and key in table[row]:
+            value = ratio(table[row][key]["output_throughput"],
+                          table[base][key]["output_throughput"])
+            out.append({"row": row, "baseline": base, "concurrency": c, "goal": goal,
+                        "ratio": round(value or 0, 4), "met": bool(value and value >= goal)})
+    return out
+
+
+def summary_markdown(result: dict[str, Any]) -> str:
+    table, args = result["table"], result["args"]
+    names = list(table)
+    base = "none" if "none" in table else None
+    head = ["row", "concurrency", "output tok/s", "mean TPOT ms", "mean TTFT ms", "tau"]
+    if base:
+        head += [f"tok/s vs {base}", f"TPOT vs {base}", f"TTFT vs {base}"]
+    lines = []
+    for c in args["concurrency"]:
+        for name in names:
+            cell = table[name][str(c)]
+            line = [name, str(c), fmt(cell["output_throughput"], 1),
+                    fmt(cell["mean_tpot_ms"], 1), fmt(cell["mean_ttft_ms"], 1),
+                    fmt(cell["tau"])]
+            if base:
+                line += [fmt(cell["vs_" + base][m], 2) for m in METRICS]
+            lines.append(line)
+    parts = [f"### serving: {args['num_prompts']} prompts x {args['max_tokens']} max tokens, "
+             f"K={args['k']}, greedy, {args['dtype']}, mean of {args['repeats']} "
+             "interleaved repeat(s)", "", markdown_table(head, lines)]
+    if result["goals"]:
+        parts += ["", "### goals for carryover (output tok/s ratios)", "", markdown_table(
+            ["ratio", "concurrency", "measured", "goal", "met"],
+            [[f"{g['row']}/{g['baseline']}", str(g["concurrency"]), fmt(g["ratio"], 2),
+              f">= {g['goal']}", "yes" if g["met"] else "no"] for g in result["goals"]])]
+    return "\n".join(parts) + "\n"
+
+
+def plot(result: dict[str, Any], out: Path) -> Path:
+    """Output tokens/s against concurrency, and the same as a ratio to no speculation."""
+    plt = pyplot()
+    table, conc = result["table"], result["args"]["concurrency"]
+    panels = 2 if "none" in table else 1
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
+    for name, row in table.items():
+        axes[0][0].plot(conc, [row[str(c)]["output_throughput"] for c in conc],
+                        marker="o", label=name)
+        if panels == 2:
+            axes[0][1].plot(conc, [row[str(c)]["vs_none"]["output_throughput"] for c in conc],
+                            marker="o", label=name)
+    axes[0][0].set_ylabel("output tokens/s")
+    axes[0][0].set_title("Serving throughput")
+    if panels == 2:
+        axes[0][1].axhline(1.0, color="gray", linewidth=0.8)
+        axes[0][1].set_ylabel("output tokens/s / no speculation")
+        axes[0][1].set_title("Relative to no speculation")
+    for ax in axes[0]:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(conc, [str(c) for c in conc])
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "serving_throughput.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
+                max_tokens: int, concurrency: list[int], repeats: int, k: int = 7,
+                dtype: str | None = None, categories: tuple[str, ...] = CATEGORIES,
+                start_timeout: float = 600.0) -> dict[str, Any]:
+    """Start every row's server, bench them interleaved, stop them all, report."""
+    configs = check_rows(rows, k)
+    dtype = dtype or default_dtype()
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = out / "prompts.jsonl"
+    total_prompts = write_prompts(target, num_prompts, categories, prompts)
+    result: dict[str, Any] = {
+        **header(),
+        "args": {"target": target, "rows": {r.name: r.spec for r in rows},
+                 "speculative_configs": configs, "num_prompts": total_prompts,
+                 "prompts_per_category": num_prompts, "categories": list(categories),
+                 "max_tokens": max_tokens, "concurrency": concurrency, "repeats": repeats,
+                 "k": k, "dtype": dtype, "temperature": 0.0, "max_model_len": MAX_MODEL_LEN,
+                 "kv_cache_memory_bytes": KV_CACHE_BYTES},
+        "runs": []}
+    with contextlib.ExitStack() as stack:
+        servers: dict[str, VllmServer] = {}
+        for row in rows:
+            print(f"[{row.name}] starting vllm serve ...", flush=True)
+            started = time.monotonic()
+            server = VllmServer(target, out / "logs" / f"{row.name}.log",
+                                speculative_config=configs[row.name], dtype=dtype,
+                                max_model_len=MAX_MODEL_LEN, kv_cache_bytes=KV_CACHE_BYTES,
+                                start_timeout=start_timeout)
+            try:
+                servers[row.name] = stack.enter_context(server)
+            except Exception as e:
+                raise RuntimeError(f"row {row.name}: vllm serve did not start, so no row "
+                                   f"was measured (servers stopped): {e}") from None
+            print(f"[{row.name}] ready in {time.monotonic() - started:.0f} s at {server.url}",
+                  flush=True)
+        for c in concurrency:
+            for rep in range(repeats):
+                order = rows if rep % 2 == 0 else rows[::-1]
+                for row in order:
+                    run = bench_once(servers[row.name], target, prompts,
+                                     max(total_prompts, c), c, max_tokens,
+                                     out / "raw" / f"{row.name}-c{c}-r{rep}.json")
+                    result["runs"].append({"row": row.name, "concurrency": c, "repeat": rep,
+                                           **run})
+                    tau = f", tau {run['tau']:.3f}" if run["tau"] else ""
+                    print(f"[{row.name}] c={c} repeat {rep + 1}/{repeats}: "
+                          f"{run['output_throughput']:.1f} tok/s, TPOT "
+                          f"{run['mean_tpot_ms']:.1f} ms, TTFT {run['mean_ttft_ms']:.0f} ms"
+                          f"{tau}", flush=True)
+                    write_json(out / "serving.json", result)
+    table = {r.name: {str(c): aggregate([x for x in result["runs"]
+                                         if x["row"] == r.name and x["concurrency"] == c])
+                      for c in concurrency} for r in rows}
+    add_ratios(table)
+    result["table"] = table
+    result["goals"] = check_goals(table)
+    result["summary"] = summary_markdown(result)
+    result["plots"] = [plot(result, out).name]
+    write_json(out / "serving.json", result)
+    (out / "serving.md").write_text(result["summary"])
+    return result
+
+
+def _concurrency(text: str) -> list[int]:
+    values = [int(x) for x in text.split(",") if x.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"bad --concurrency {text!r}: e.g. 1,4,16")
+    return values
+
+
+def _cmd_serving(a: argparse.Namespace) -> None:
+    from vllm_carryover.testbed import smollm2_path
+
+    size = SIZES["quick" if a.quick else "full"]
+    target = str(Path(a.target).resolve()) if a.target else str(smollm2_path())
+    out = Path(a.out) if a.out else default_out_dir("serving")
+    result = run_serving(
+        a.row or [parse_row(r) for r in DEFAULT_ROWS], target, out,
+        num_prompts=a.num_prompts or size["num_prompts"],
+        max_tokens=a.max_tokens or size["max_tokens"],
+        concurrency=a.concurrency or size["concurrency"],
+        repeats=a.repeats or size["repeats"], k=a.k, dtype=a.dtype or default_dtype(),
+        categories=tuple(a.categories or CATEGORIES))
+    print("\n" + result["summary"])
+    print(f"{out}/serving.json\n{out}/{result['plots'][0]}")
+
+
+def add_cli(subparsers: Any) -> None:
+    """The `serving` subcommand of `python -m benchmarks`."""
+    p = subparsers.add_parser(
+        "serving", help="vllm serve throughput, TPOT and TTFT at several concurrencies",
+        description=__doc__, epilog=ROW_HELP.split("Default rows:")[0] + "Default rows:\n  "
+        + "\n  ".join(DEFAULT_ROWS) + "\n\nexample (the README's full run):\n"
+        "  python -m benchmarks serving --out benchmarks/results/serving\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help=f"small size for smoke checks: {SIZES['quick']} (full: {SIZES['full']})")
+    p.add_argument("--row", action="append", type=parse_row, metavar="NAME=SPEC",
+                   help="a method to measure (repeatable; default: the rows below)")
+    p.add_argument("--target", metavar="PATH", help="target folder (default: SmolLM2 testbed)")
+    p.add_argument("--categories", nargs="+", choices=CATEGORIES, metavar="CAT",
+                   help=f"prompt categories (default: {' '.join(CATEGORIES)})")
+    p.add_argument("--num-prompts", type=int, metavar="N",
+                   help="held-out prompts per category (default: by size)")
+    p.add_argument("--max-tokens", type=int, metavar="N",
+                   help="max new tokens per request (default: by size)")
+    p.add_argument("--concurrency", type=_concurrency, metavar="C,C,...",
+                   help="requests in flight (default: by size)")
+    p.add_argument("--repeats", type=int, metavar="N",
+                   help="interleaved passes over the rows per concurrency (default: by size)")
+    p.add_argument("-k", type=int, default=7, help="drafted tokens per step")
+    p.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
+    p.add_argument("--out", metavar="DIR", help="result folder (default: "
+                   "$VLLM_CARRYOVER_CACHE/benchmarks/serving/DATE)")
+    p.set_defaults(fn=_cmd_serving)

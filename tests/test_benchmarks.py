@@ -1,0 +1,124 @@
+"""`python -m benchmarks acceptance|serving` at a very small size on SmolLM2.
+
+The results must be well formed (the schema the README's tables and plots are
+made from), and `serving` must leave no server behind, also when a row's server
+fails to start after another row's server came up.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import psutil
+import pytest
+
+from benchmarks.__main__ import main as benchmarks_main
+from train.vllm_eval import SMOLLM2
+
+CARRYOVER = f"carryover=carryover:{SMOLLM2 / 'carryover'}"
+K = 7
+MAX_TOKENS = 16
+CATEGORIES = ("chat", "code", "math", "translation")
+
+
+def vllm_serve_pids() -> set[int]:
+    """Processes of `vllm serve` (API server and engine core) on this machine."""
+    out = set()
+    for p in psutil.process_iter(["cmdline", "name"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "vllm serve" in cmd or "VLLM::EngineCore" in (p.info["name"] or "") + cmd:
+            out.add(p.pid)
+    return out
+
+
+def test_acceptance_quick_result_has_tau_positions_and_speed_per_category(
+        tmp_path: Path, smollm2: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    benchmarks_main(["acceptance", "--quick", "--row", "none", "--row", CARRYOVER,
+                     "--num-prompts", "1", "--max-tokens", str(MAX_TOKENS), "-k", str(K),
+                     "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    result = json.loads((tmp_path / "acceptance.json").read_text())
+
+    assert {"date", "command", "machine", "args", "categories", "rows", "summary",
+            "plots"} <= set(result)
+    assert result["command"] and result["machine"]["cpus"] >= 1
+    assert result["categories"] == list(CATEGORIES)
+    assert list(result["rows"]) == ["none", "carryover"]
+    for name, row in result["rows"].items():
+        for cat in CATEGORIES:
+            part = row["categories"][cat]
+            assert part["prompts"] == 1 and 0 < part["output_tokens"] <= MAX_TOKENS
+            assert part["tokens_per_s"] > 0
+        parts = [*row["categories"].values(), row["warmup"]]
+        assert sum(p["drafts"] for p in parts) == row["engine_counters"]["drafts"], name
+    assert all(p["drafts"] == 0 and p["tau"] is None and p["acceptance_per_position"] == []
+               for p in result["rows"]["none"]["categories"].values())
+    for part in [*result["rows"]["carryover"]["categories"].values(),
+                 result["rows"]["carryover"]["total"]]:
+        rates = part["acceptance_per_position"]
+        assert part["drafts"] > 0 and len(rates) == K
+        assert all(0 <= r <= 1 for r in rates)
+        assert rates == sorted(rates, reverse=True)  # position i needs positions < i
+        assert part["tau"] == pytest.approx(1 + sum(part["accepted_per_pos"]) / part["drafts"],
+                                            abs=1e-3)
+    assert result["plots"] == ["acceptance_tau.png", "acceptance_per_position.png"]
+    for name in [*result["plots"], "acceptance.md"]:
+        assert (tmp_path / name).stat().st_size > 0
+    tau_header, speed_header = [line for line in result["summary"].splitlines()
+                                if line.startswith("| category")]
+    assert tau_header == "| category | none | carryover |"  # no default ratio applies
+    assert speed_header == "| category | none | carryover | carryover/none |"
+    assert "| row | pos 1 |" in result["summary"] and "| pos 7 | tau |" in result["summary"]
+    assert result["summary"] in printed + "\n"
+
+
+def test_serving_quick_result_has_ratios_to_no_speculation_and_stops_servers(
+        tmp_path: Path, smollm2: Path) -> None:
+    before = vllm_serve_pids()
+    benchmarks_main(["serving", "--quick", "--row", "none", "--row", CARRYOVER,
+                     "--num-prompts", "1", "--max-tokens", str(MAX_TOKENS),
+                     "--concurrency", "1,4", "--repeats", "2", "-k", str(K),
+                     "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "serving.json").read_text())
+
+    assert vllm_serve_pids() <= before
+    assert {"date", "command", "machine", "args", "runs", "table", "goals", "summary",
+            "plots"} <= set(result)
+    assert result["args"]["num_prompts"] == len(CATEGORIES)
+    # every row at every concurrency, each repeat, the second repeat in reverse order
+    order = [(r["concurrency"], r["repeat"], r["row"]) for r in result["runs"]]
+    assert order == [(1, 0, "none"), (1, 0, "carryover"), (1, 1, "carryover"),
+                     (1, 1, "none"), (4, 0, "none"), (4, 0, "carryover"),
+                     (4, 1, "carryover"), (4, 1, "none")]
+    for run in result["runs"]:
+        assert run["completed"] == len(CATEGORIES) and run["failed"] == 0
+        assert run["output_throughput"] > 0 and run["mean_ttft_ms"] > 0
+        assert (run["drafts"] > 0) == (run["row"] == "carryover")
+    for c in ("1", "4"):
+        assert result["table"]["none"][c]["vs_none"]["output_throughput"] == 1.0
+        cell = result["table"]["carryover"][c]
+        assert cell["repeats"] == 2 and cell["tau"] >= 1
+        assert cell["vs_none"]["output_throughput"] == pytest.approx(
+            cell["output_throughput"] / result["table"]["none"][c]["output_throughput"],
+            rel=1e-3)
+    assert [(g["row"], g["baseline"], g["concurrency"]) for g in result["goals"]] == \
+        [("carryover", "none", 1)]
+    assert (tmp_path / "serving_throughput.png").stat().st_size > 0
+    assert (tmp_path / "serving.md").read_text() == result["summary"]
+
+
+def test_serving_stops_every_server_when_a_later_one_fails_to_start(
+        tmp_path: Path, smollm2: Path) -> None:
+    broken = tmp_path / "broken-drafter"
+    shutil.copytree(SMOLLM2 / "carryover", broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated: refused at startup
+    before = vllm_serve_pids()
+    with pytest.raises(RuntimeError, match="row broken: vllm serve did not start"):
+        benchmarks_main(["serving", "--quick", "--row", "none",
+                         "--row", f"broken=carryover:{broken}", "--num-prompts", "1",
+                         "--out", str(tmp_path / "out")])
+    assert vllm_serve_pids() <= before
+    assert "Application startup complete" in (tmp_path / "out/logs/none.log").read_text()
