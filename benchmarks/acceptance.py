@@ -20,10 +20,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cli import row_benchmark_parser
 from benchmarks.eval_prompts import chat_token_ids, heldout_prompts
 from benchmarks.report import (
-    DTYPE_HELP,
-    DTYPES,
     default_dtype,
     default_out_dir,
     fmt,
@@ -34,7 +33,6 @@ from benchmarks.report import (
 )
 from train.prompts import CATEGORIES
 from train.vllm_eval import (
-    ROW_HELP,
     SMOLLM2,
     EvalSettings,
     Row,
@@ -166,28 +164,10 @@ def _cmd_acceptance(a: argparse.Namespace) -> None:
 
 def add_cli(subparsers: Any) -> None:
     """The `acceptance` subcommand of `python -m benchmarks`."""
-    p = subparsers.add_parser(
-        "acceptance", help="tau, acceptance per draft position and tokens/s per category",
-        description=__doc__, epilog=ROW_HELP.split("Default rows:")[0] + "Default rows:\n  "
-        + "\n  ".join(DEFAULT_ROWS) + "\n\nexample (the README's full run):\n"
-        "  python -m benchmarks acceptance --out benchmarks/results/acceptance\n",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help=f"small size for smoke checks: {SIZES['quick']} (full: {SIZES['full']})")
-    p.add_argument("--row", action="append", type=parse_row, metavar="NAME=SPEC",
-                   help="a method to measure (repeatable; default: the rows below)")
+    p = row_benchmark_parser(
+        subparsers, "acceptance", "tau, acceptance per draft position and tokens/s per "
+        "category", __doc__, DEFAULT_ROWS, SIZES)
     p.add_argument("--ratio", action="append", type=parse_ratio, metavar="NUM/DEN",
                    help="a tau ratio column (default: carryover/dflash, carryover/carryover-off)")
-    p.add_argument("--target", metavar="PATH", help="target folder (default: SmolLM2 testbed)")
-    p.add_argument("--categories", nargs="+", choices=CATEGORIES, metavar="CAT",
-                   help=f"categories in table order (default: {' '.join(CATEGORIES)})")
-    p.add_argument("--num-prompts", type=int, metavar="N",
-                   help="held-out prompts per category (default: by size)")
-    p.add_argument("--max-tokens", type=int, metavar="N",
-                   help="new tokens per prompt (default: by size)")
-    p.add_argument("-k", type=int, default=7, help="drafted tokens per step")
-    p.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     p.add_argument("--seed", type=int, default=0, help="which held-out prompts are drawn")
-    p.add_argument("--out", metavar="DIR", help="result folder (default: "
-                   "$VLLM_CARRYOVER_CACHE/benchmarks/acceptance/DATE)")
     p.set_defaults(fn=_cmd_acceptance)

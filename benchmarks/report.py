@@ -38,6 +38,17 @@ def default_dtype() -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
+def cpu_model() -> str:
+    """The CPU's model name (`platform.processor()` is empty on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def header() -> dict[str, Any]:
     """Date, machine and command line of this run."""
     import torch
@@ -45,7 +56,7 @@ def header() -> dict[str, Any]:
 
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": command_line(),
-            "machine": {"platform": platform.platform(), "processor": platform.processor(),
+            "machine": {"platform": platform.platform(), "processor": cpu_model(),
                         "cpus": os.cpu_count(), "torch": torch.__version__,
                         "vllm": vllm.__version__}}
 

@@ -23,10 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cli import row_benchmark_parser
 from benchmarks.eval_prompts import chat_texts, heldout_prompts
 from benchmarks.report import (
-    DTYPE_HELP,
-    DTYPES,
     default_dtype,
     default_out_dir,
     fmt,
@@ -37,7 +36,7 @@ from benchmarks.report import (
     write_json,
 )
 from train.prompts import CATEGORIES
-from train.vllm_eval import ROW_HELP, SMOLLM2, Row, check_rows, parse_row
+from train.vllm_eval import SMOLLM2, Row, check_rows, parse_row
 from vllm_carryover.server_process import VllmServer
 
 # Drafting only while at most ADAPTIVE_MAX_BATCH requests run, plain decoding above
@@ -53,9 +52,12 @@ DEFAULT_ROWS = ["none", "ngram", f"dflash=dflash:{SMOLLM2 / 'dflash-baseline'}",
 SIZES: dict[str, dict[str, Any]] = {
     "quick": {"num_prompts": 2, "max_tokens": 32, "concurrency": [1, 4], "repeats": 1},
     "full": {"num_prompts": 4, "max_tokens": 64, "concurrency": [1, 4, 16], "repeats": 2}}
+# Requests per run: at least this many, and at least one per concurrency slot; taken
+# from the start of the prompt file, where the categories take turns.
+MIN_REQUESTS = 4
 METRICS = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")
 MAX_MODEL_LEN = 1024
-KV_CACHE_BYTES = 1 << 30
+KV_CACHE_BYTES = 512 << 20  # per server; six of them share the machine's memory
 # Goals of the issue, checked where the rows exist: (row, baseline, concurrency, min ratio).
 GOALS = [("carryover", "carryover-off", 1, 1.14), ("carryover", "none", 1, 2.5),
          ("carryover", "none", 16, 1.0), ("carryover-adaptive", "none", 16, 1.0)]
@@ -63,9 +65,11 @@ GOALS = [("carryover", "carryover-off", 1, 1.14), ("carryover", "none", 1, 2.5),
 
 def write_prompts(target: str, num_per_category: int, categories: tuple[str, ...],
                   path: Path) -> int:
-    """The held-out prompts, chat-templated, as `vllm bench serve`'s custom JSONL."""
+    """The held-out prompts, chat-templated, as `vllm bench serve`'s custom JSONL, the
+    categories taking turns (a run that uses the first N prompts gets all of them)."""
     texts = chat_texts(target, heldout_prompts(num_per_category, categories))
-    lines = [json.dumps({"prompt": t}) for c in categories for t in texts[c]]
+    lines = [json.dumps({"prompt": texts[c][i]}) for i in range(num_per_category)
+             for c in categories]
     path.write_text("\n".join(lines) + "\n")
     return len(lines)
 
@@ -170,7 +174,9 @@ def summary_markdown(result: dict[str, Any]) -> str:
             if base:
                 line += [fmt(cell["vs_" + base][m], 2) for m in METRICS]
             lines.append(line)
-    parts = [f"### serving: {args['num_prompts']} prompts x {args['max_tokens']} max tokens, "
+    runs = ", ".join(f"{n} at c={c}" for c, n in args["requests_per_run"].items())
+    parts = [f"### serving: requests per run {runs} (from {args['num_prompts']} held-out "
+             f"prompts), {args['max_tokens']} max tokens, "
              f"K={args['k']}, greedy, {args['dtype']}, mean of {args['repeats']} "
              "interleaved repeat(s)", "", markdown_table(head, lines)]
     if result["goals"]:
@@ -226,6 +232,7 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
         "args": {"target": target, "rows": {r.name: r.spec for r in rows},
                  "speculative_configs": configs, "num_prompts": total_prompts,
                  "prompts_per_category": num_prompts, "categories": list(categories),
+                 "requests_per_run": {str(c): max(MIN_REQUESTS, c) for c in concurrency},
                  "max_tokens": max_tokens, "concurrency": concurrency, "repeats": repeats,
                  "k": k, "dtype": dtype, "temperature": 0.0, "max_model_len": MAX_MODEL_LEN,
                  "kv_cache_memory_bytes": KV_CACHE_BYTES},
@@ -251,7 +258,7 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
                 order = rows if rep % 2 == 0 else rows[::-1]
                 for row in order:
                     run = bench_once(servers[row.name], target, prompts,
-                                     max(total_prompts, c), c, max_tokens,
+                                     max(MIN_REQUESTS, c), c, max_tokens,
                                      out / "raw" / f"{row.name}-c{c}-r{rep}.json")
                     result["runs"].append({"row": row.name, "concurrency": c, "repeat": rep,
                                            **run})
@@ -300,29 +307,11 @@ def _cmd_serving(a: argparse.Namespace) -> None:
 
 def add_cli(subparsers: Any) -> None:
     """The `serving` subcommand of `python -m benchmarks`."""
-    p = subparsers.add_parser(
-        "serving", help="vllm serve throughput, TPOT and TTFT at several concurrencies",
-        description=__doc__, epilog=ROW_HELP.split("Default rows:")[0] + "Default rows:\n  "
-        + "\n  ".join(DEFAULT_ROWS) + "\n\nexample (the README's full run):\n"
-        "  python -m benchmarks serving --out benchmarks/results/serving\n",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help=f"small size for smoke checks: {SIZES['quick']} (full: {SIZES['full']})")
-    p.add_argument("--row", action="append", type=parse_row, metavar="NAME=SPEC",
-                   help="a method to measure (repeatable; default: the rows below)")
-    p.add_argument("--target", metavar="PATH", help="target folder (default: SmolLM2 testbed)")
-    p.add_argument("--categories", nargs="+", choices=CATEGORIES, metavar="CAT",
-                   help=f"prompt categories (default: {' '.join(CATEGORIES)})")
-    p.add_argument("--num-prompts", type=int, metavar="N",
-                   help="held-out prompts per category (default: by size)")
-    p.add_argument("--max-tokens", type=int, metavar="N",
-                   help="max new tokens per request (default: by size)")
+    p = row_benchmark_parser(
+        subparsers, "serving", "vllm serve throughput, TPOT and TTFT at several "
+        "concurrencies", __doc__, DEFAULT_ROWS, SIZES)
     p.add_argument("--concurrency", type=_concurrency, metavar="C,C,...",
                    help="requests in flight (default: by size)")
     p.add_argument("--repeats", type=int, metavar="N",
                    help="interleaved passes over the rows per concurrency (default: by size)")
-    p.add_argument("-k", type=int, default=7, help="drafted tokens per step")
-    p.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
-    p.add_argument("--out", metavar="DIR", help="result folder (default: "
-                   "$VLLM_CARRYOVER_CACHE/benchmarks/serving/DATE)")
     p.set_defaults(fn=_cmd_serving)
