@@ -17,6 +17,7 @@ from engine_runner import run_engine
 
 MAX_TOKENS = 64
 BF16_ROUNDING_STEP = 0.25  # bf16 spacing of logits in [32, 64): top-2 gaps below are ties
+BF16_PROMPTS = 8
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +101,8 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def test_bfloat16_differs_only_at_near_ties(smollm2, prompts, random_drafter, tmp_path):
+    # Half the prompts: bf16 matmuls are ~2x slower than fp32 on CPUs without AMX.
+    prompts = prompts[:BF16_PROMPTS]
     ref = generate(smollm2, prompts, tmp_path, "none-bf16", dtype="bfloat16")
     out = generate(smollm2, prompts, tmp_path, "carryover-bf16", random_drafter,
                    dtype="bfloat16")
