@@ -12,8 +12,8 @@ checks it from the tensors vLLM really used in the round, request by request:
   request's last round goes to another only once the first no longer holds its
   block (finished, aborted or preempted): slots are reused only after release.
 
-A request that leaves the batch is released, so the table never holds stale
-entries and never grows beyond one entry per scheduled request.
+Each round replaces the table with that round's requests, so a request that
+leaves the batch is forgotten: no stale entries, one entry per scheduled request.
 
 Checking copies the round's slot mappings to the CPU (a device sync on GPUs),
 so the proposer keeps the table only when `VLLM_CARRYOVER_CHECK_SLOTS=1`
@@ -122,11 +122,6 @@ class SlotTable:
         self.slots = {s.req_id: s for s in round_}
         self.owner = owner
         self.rounds += 1
-
-    def release(self, req_id: str) -> None:
-        """Forget a request (finished, aborted, preempted) before the next round."""
-        self.slots.pop(req_id, None)
-        self.owner = {k: v for k, v in self.owner.items() if v != req_id}
 
     def _cache_slot(self, s: RequestSlot, position: int) -> int:
         block = position // self.block_size
