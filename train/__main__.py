@@ -1,4 +1,4 @@
-"""`python -m train {data,baseline,carryover,export,eval}`: the drafter training pipeline."""
+"""`python -m train {data,baseline,carryover,export,eval,headroom}`: drafter training."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from train import data, vllm_eval
+from train import data, headroom, vllm_eval
 from train.options import BaselineArgs, CarryoverArgs, add_train_options, args_from
 
 
@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     e.set_defaults(fn=cmd_export)
 
     vllm_eval.add_cli(sub)
+    headroom.add_cli(sub)
 
     a = p.parse_args(argv)
     a.fn(a)

@@ -57,7 +57,8 @@ def load_sequences(target: str, data: str, layer_ids: list[int]) -> dict[str, li
     for r, s in zip(load_samples(folder), states, strict=True):
         if len(r["response_ids"]) >= 2:
             toks = torch.tensor(r["prompt_ids"] + r["response_ids"])
-            out[r["split"]].append(Sequence(toks, len(r["prompt_ids"]), s))
+            out[r["split"]].append(Sequence(toks, len(r["prompt_ids"]), s,
+                                            r.get("category", "")))
     return out
 
 

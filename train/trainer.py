@@ -51,6 +51,7 @@ class Sequence:
     tokens: torch.Tensor  # [T]
     response_start: int
     aux: torch.Tensor  # [T, n_layers * H] bf16
+    category: str = ""  # the prompt's category (chat, code, ...), where the data has one
 
 
 @dataclass
