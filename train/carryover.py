@@ -133,28 +133,33 @@ def verify_inputs(tokens: torch.Tensor, anchors: torch.Tensor, drafts: torch.Ten
     return ids, pos, visible, anchor_idx, slot_idx, n_true
 
 
+def masked_forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, visible: torch.Tensor,
+                   **kwargs: Any) -> Any:
+    """One forward of a transformers model over one long sequence in which row i sees
+    row j iff `visible[i, j]`: passed as a 4D additive float mask, which transformers
+    uses as-is (eager and SDPA alike); positions go in as `position_ids`, so RoPE sees
+    the true ones."""
+    dtype = next(model.parameters()).dtype
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
+    with torch.inference_mode():
+        return model(input_ids=ids[None], position_ids=pos[None],
+                     attention_mask=mask[None, None], use_cache=False, **kwargs)
+
+
 def rejected_states(decoder: Any, tokens: torch.Tensor, anchors: torch.Tensor,
                     drafts: torch.Tensor, accepted: torch.Tensor,
                     layer_ids: list[int] | tuple[int, ...]) -> Rejected:
     """The target's aux states at every rejected draft of every anchor, ONE forward.
 
     `decoder` is the target's (possibly truncated) decoder stack, as
-    `train.target_states.truncated_decoder` returns it. The block-sparse mask is
-    passed as a 4D additive float mask, which transformers uses as-is (eager and
-    SDPA alike); positions go in as `position_ids`, so RoPE sees the true ones.
+    `train.target_states.truncated_decoder` returns it.
     """
     ids, pos, visible, anchor_idx, slot_idx, n_true = verify_inputs(
         tokens, anchors, drafts, accepted)
     if anchor_idx.numel() == 0:
         width = decoder.config.hidden_size * len(layer_ids)
         return Rejected(torch.empty(0, width), anchor_idx, slot_idx)
-    dtype = next(decoder.parameters()).dtype
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible,
-                                                               torch.finfo(dtype).min)
-    with torch.inference_mode():
-        out = decoder(input_ids=ids[None], position_ids=pos[None],
-                      attention_mask=mask[None, None], output_hidden_states=True,
-                      use_cache=False)
+    out = masked_forward(decoder, ids, pos, visible, output_hidden_states=True)
     feats = torch.cat([out.hidden_states[i + 1][0, n_true:] for i in layer_ids], dim=-1)
     return Rejected(feats.float().clone(), anchor_idx, slot_idx, int(ids.shape[0]))
 

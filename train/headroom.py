@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -35,48 +35,58 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
     from transformers import AutoModelForCausalLM
 
     from train.baseline import load_sequences
-    from train.carryover import context_kv, draft_verify_draft, second_draft_logits, verify_inputs
+    from train.carryover import (
+        Rejected,
+        accepted_length,
+        block_logits_over,
+        context_kv,
+        masked_forward,
+        second_anchor_ok,
+        second_draft_logits,
+        verify_inputs,
+    )
     from train.dflash_loss import sample_anchors
 
     drafter = load_drafter(target, init)
-    dcfg = drafter.config
+    kk = drafter.config.block_size - 1
     full = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    seqs = load_sequences(target, data, list(dcfg.target_layer_ids))["heldout"]
+    seqs = load_sequences(target, data, list(drafter.config.target_layer_ids))["heldout"]
     gen = torch.Generator().manual_seed(seed)
-    hits: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    counts: dict[str, Counter[str]] = defaultdict(Counter)
     with torch.no_grad():
         for seq in tqdm(seqs, desc="headroom", unit="seq"):
-            anchors = sample_anchors(seq.response_start, seq.tokens.shape[0] - 1,
+            tokens = seq.tokens
+            anchors = sample_anchors(seq.response_start, tokens.shape[0] - 1,
                                      anchors_per_seq, gen)
             if not anchors.numel():
                 continue
-            # the full decoder returns the same aux states as the truncated one
-            r = draft_verify_draft(drafter, full.model, seq.tokens, seq.aux, anchors,
-                                   first_loss=False)
-            kept, drafts, acc = anchors[r.keep], r.drafts[r.keep], r.accepted[r.keep]
-            ids, pos, visible, row_anchor, row_slot, n_true = verify_inputs(
-                seq.tokens, kept, drafts, acc)
-            if not row_anchor.numel():
-                continue
-            mask = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
-            target_next = full(input_ids=ids[None], position_ids=pos[None],
-                               attention_mask=mask[None, None]).logits[0, n_true:].argmax(-1)
             k, v = context_kv(drafter, seq.aux)
-            plain, labels = second_draft_logits(drafter, k, v, seq.tokens, kept, acc,
-                                                r.rejected, use_slot=False)
-            first_row = row_slot == acc[row_anchor]  # d_{a+1} of each anchor
-            for row in first_row.nonzero().flatten().tolist():
-                i = int(row_anchor[row])
-                true = int(labels[i, 0])
-                t, d = int(target_next[row]) == true, int(plain[i, 0].argmax()) == true
-                for name in ("all", seq.category) if seq.category else ("all",):
-                    h = hits[name]
-                    h[0] += 1
-                    h[1] += t
-                    h[2] += d
-                    h[3] += t or d
-    return {name: {"rejections": h[0], **{c: round(x / max(h[0], 1), 4) for c, x in zip(
-        COLUMNS[1:], h[1:], strict=True)}} for name, h in hits.items()}
+            first, labels = block_logits_over(drafter, k, v, tokens, anchors)
+            drafts = first.argmax(-1)
+            acc = accepted_length(drafts, labels)
+            # anchors with a rejection whose next block fits in the sequence
+            keep = second_anchor_ok(anchors, acc, kk, tokens.shape[0]) & (acc < kk)
+            if not keep.any():
+                continue
+            kept, acc = anchors[keep], acc[keep]
+            ids, pos, visible, row_anchor, row_slot, n_true = verify_inputs(
+                tokens, kept, drafts[keep], acc)
+            first_row = row_slot == acc[row_anchor]  # d_{a+1}, one per kept anchor
+            target_next = masked_forward(full, ids, pos, visible).logits[0, n_true:][
+                first_row].argmax(-1)
+            no_slot = Rejected(torch.empty(0, seq.aux.shape[-1]), row_anchor[:0], row_slot[:0])
+            plain, next_labels = second_draft_logits(drafter, k, v, tokens, kept, acc, no_slot,
+                                                     use_slot=False)
+            true = next_labels[:, 0]  # row_anchor[first_row] is 0..len(kept)-1 in order
+            t, d = target_next == true, plain[:, 0].argmax(-1) == true
+            for name in ("all", seq.category) if seq.category else ("all",):
+                c = counts[name]
+                c["rejections"] += len(true)
+                c["target"] += int(t.sum())
+                c["drafter"] += int(d.sum())
+                c["either"] += int((t | d).sum())
+    return {name: {"rejections": c["rejections"], **{col: round(c[col] / max(
+        c["rejections"], 1), 4) for col in COLUMNS[1:]}} for name, c in counts.items()}
 
 
 def load_drafter(target: str, init: str) -> Any:
