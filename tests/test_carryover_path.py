@@ -15,9 +15,11 @@ import pytest
 import torch
 from engine_runner import run_engine
 from tiny_models import make_tiny_drafter, make_tiny_target, torch_drafter_for
+from torch.nn import functional as F
 
 from vllm_carryover.draft_trace import ENV, load_rounds
 from vllm_carryover.init_drafter import init_drafter
+from vllm_carryover.markov_head import MarkovHead, draft_left_to_right
 from vllm_carryover.torch_drafter import TorchDrafter
 
 K = 4
@@ -66,7 +68,8 @@ def replay(rounds: list[dict], drafter: TorchDrafter,
             results.append(dict(req=req, carried=carried, first_position=int(pos[start]),
                                 expected=expected, without_slot=without_slot, slot=slot,
                                 slot_pos=slot_pos, args=args,
-                                got=rec["logits"][i * K:(i + 1) * K]))
+                                got=rec["logits"][i * K:(i + 1) * K],
+                                drafts=rec["drafts"][i] if "drafts" in rec else None))
     return results
 
 
@@ -107,6 +110,45 @@ def test_vllm_draft_logits_equal_explicit_attention_over_context_and_slot(traced
     for r in results:
         if r["carried"] == 0:
             torch.testing.assert_close(r["got"], r["without_slot"], atol=2e-4, rtol=2e-4)
+
+
+def test_markov_drafter_drafts_left_to_right_through_its_head_over_the_same_backbone(
+        tiny, tmp_path):
+    """The semi-autoregressive variant in vLLM: the backbone (with the carryover slot)
+    equals the explicit computation, and each slot's token is the argmax of its logits
+    plus the Markov bias of the token drafted before it (the bonus token for slot 1)."""
+    target, _ = tiny
+    drafter = make_tiny_drafter(target, tmp_path / "markov", block_size=K + 1, markov_rank=8)
+    results = traced_run((target, drafter), tmp_path, random_prompts(4, seed=3))
+    head = torch_drafter_for(drafter, target).markov_head
+    assert len(results) > 30 and sum(r["carried"] > 0 for r in results) > 10
+    steered = 0
+    for r in results:
+        torch.testing.assert_close(r["got"], r["expected"], atol=2e-4, rtol=2e-4)
+        prev = torch.cat([torch.tensor([r["args"][2]]), r["drafts"][:-1]])
+        with torch.no_grad():
+            want = (r["got"] + head.bias(prev)).argmax(-1)
+        assert torch.equal(r["drafts"], want)
+        steered += not torch.equal(want, r["got"].argmax(-1))
+    assert steered > len(results) // 4, "the head should change many drafts"
+
+
+def test_markov_drafter_samples_each_slot_from_its_biased_distribution():
+    """Sampled drafting hands rejection sampling the distribution each token was drawn
+    from: slot i's softmax includes the bias of the token drawn for slot i - 1."""
+    torch.manual_seed(0)
+    head = MarkovHead(vocab_size=50, rank=4)
+    base, bonus = torch.randn(3, 5, 50), torch.tensor([1, 2, 3])
+
+    def sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.softmax(logits, dim=-1)
+        return torch.multinomial(probs, 1)[:, 0], probs
+
+    with torch.no_grad():
+        tokens, probs = draft_left_to_right(base, bonus, head, sample)
+        prev = torch.cat([bonus[:, None], tokens[:, :-1]], dim=1)
+        torch.testing.assert_close(probs, F.softmax(base + head.bias(prev), dim=-1))
+    assert probs.shape == (3, 5, 50) and tokens.shape == (3, 5)
 
 
 def test_carryover_off_drafts_like_plain_dflash(tiny, tmp_path):

@@ -24,11 +24,11 @@ def make_tiny_target(out: Path, vocab: int = 512, seed: int = 0) -> Path:
 
 
 def make_tiny_drafter(target: Path, out: Path, block_size: int = 5, seed: int = 0,
-                      rejected_embedding_scale: float = 1.0) -> Path:
+                      rejected_embedding_scale: float = 1.0, markov_rank: int = 0) -> Path:
     """A random drafter; a non-zero rejected embedding so that the mark matters."""
     from safetensors.torch import save_file
 
-    init_drafter(target, out, block_size=block_size, seed=seed)
+    init_drafter(target, out, block_size=block_size, seed=seed, markov_rank=markov_rank)
     cfg, state = load_drafter_state(out)
     gen = torch.Generator().manual_seed(seed + 1)
     state["rejected_embedding"] = rejected_embedding_scale * torch.randn(

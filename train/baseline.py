@@ -25,7 +25,7 @@ from train.dflash_loss import (
     weighted_block_ce,
 )
 from train.distributed import rank0_first
-from train.options import BaselineArgs
+from train.options import BaselineArgs, TrainArgs
 from train.paths import data_dir, run_dir
 from train.target_states import dataset_states
 from train.trainer import SeqResult, Sequence, Trainer, meta_args
@@ -37,6 +37,7 @@ from vllm_carryover.checkpoint import (
 )
 from vllm_carryover.checkpoint import random_state_dict as random_drafter_state
 from vllm_carryover.init_drafter import default_target_layers
+from vllm_carryover.markov_head import fresh_markov_state
 from vllm_carryover.torch_drafter import TorchDrafter
 
 
@@ -74,7 +75,7 @@ def block_logits(model: TorchDrafter, seq: Sequence, anchors: torch.Tensor
     ctx_k = k[:, None].expand(-1, a, -1, -1, -1)
     ctx_v = v[:, None].expand(-1, a, -1, -1, -1)
     logits = model(blocks.query_ids, blocks.query_pos, ctx_k, ctx_v, blocks.ctx_mask)
-    return logits[:, 1:], blocks.labels
+    return model.teacher_forced(logits[:, 1:], blocks.prev_ids), blocks.labels
 
 
 def evaluate(model: TorchDrafter, seqs: list[Sequence], anchors_per_seq: int,
@@ -102,6 +103,34 @@ def new_drafter_config(target: str, a: BaselineArgs) -> dict[str, Any]:
                             intermediate_size=a.intermediate_size)
 
 
+def attach_markov_head(cfg: dict[str, Any], state: dict[str, torch.Tensor], rank: int,
+                       seed: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config, state) with a fresh Markov head of `rank` when the drafter has none."""
+    have = cfg.get("markov_rank") or 0
+    if not rank or have == rank:
+        return cfg, state
+    if have:
+        raise SystemExit(f"the init drafter already has a Markov head of rank {have}; "
+                         f"drop --markov-rank or pass --markov-rank {have}")
+    return dict(cfg, markov_rank=rank), state | fresh_markov_state(cfg["vocab_size"], rank, seed)
+
+
+def param_groups(model: TorchDrafter, a: TrainArgs,
+                 rejected_lr_mult: float | None = None) -> list[dict[str, Any]]:
+    """AdamW groups: the backbone; the Markov head (new: --markov-lr-mult); the rejected
+    embedding when it trains (new, zero: `rejected_lr_mult`, no weight decay)."""
+    head = list(model.markov_head.parameters()) if model.markov_head is not None else []
+    special = {id(p) for p in head} | {id(model.rejected_embedding)}
+    groups = [{"params": [p for p in model.parameters()
+                          if p.requires_grad and id(p) not in special], "lr_mult": 1.0}]
+    if head:
+        groups.append({"params": head, "lr_mult": a.markov_lr_mult})
+    if rejected_lr_mult is not None:
+        groups.append({"params": [model.rejected_embedding], "lr_mult": rejected_lr_mult,
+                       "weight_decay": 0.0})
+    return groups
+
+
 def train_baseline(a: BaselineArgs) -> Path:
     """Train; save `final.pt` (config, float32 state, metadata) in the run folder.
 
@@ -110,22 +139,21 @@ def train_baseline(a: BaselineArgs) -> Path:
     """
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
-    cfg = new_drafter_config(a.target, a)
-    dcfg = DrafterConfig.from_dict(cfg)
-    model = TorchDrafter(dcfg, target_embedding(a.target))
     prior: dict[str, Any] = {}
     if a.init_run:  # continue from an earlier run (its config wins)
         saved = torch.load(run_dir(a.init_run) / "final.pt")
-        cfg, prior = saved["config"], saved["meta"]
-        dcfg = DrafterConfig.from_dict(cfg)
-        model = TorchDrafter(dcfg, target_embedding(a.target))
-        state = saved["state"]
+        cfg, prior, state = saved["config"], saved["meta"], saved["state"]
     else:
-        state = random_drafter_state(dcfg, a.seed)
+        cfg = new_drafter_config(a.target, a)
+        state = random_drafter_state(DrafterConfig.from_dict(cfg), a.seed)
+    cfg, state = attach_markov_head(cfg, state, a.markov_rank, a.seed)
+    dcfg = DrafterConfig.from_dict(cfg)
+    model = TorchDrafter(dcfg, target_embedding(a.target))
     model.load_checkpoint_state(state)
     model.rejected_embedding.requires_grad_(False)  # baseline: no carryover weight
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    groups = param_groups(model, a)
+    params = [p for g in groups for p in g["params"]]
+    opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01)
 
     with rank0_first():  # rank 0 fills the target-state cache, the others read it
         seqs = load_sequences(a.target, a.data, list(dcfg.target_layer_ids))
@@ -155,7 +183,8 @@ def train_baseline(a: BaselineArgs) -> Path:
     steps_done = done.step + prior.get("steps", 0)
     tokens_seen = done.counts["trained_label_tokens"] + prior.get("trained_label_tokens", 0)
     train_seconds = done.train_seconds + prior.get("train_seconds", 0.0)
-    meta = {"recipe": "dflash-baseline", "steps": steps_done,
+    recipe = "dspark-baseline" if dcfg.markov_rank else "dflash-baseline"
+    meta = {"recipe": recipe, "steps": steps_done,
             "trained_label_tokens": tokens_seen, "train_seconds": round(train_seconds, 1),
             "label_tokens_per_s": round(tokens_seen / max(train_seconds, 1e-9), 1),
             "continued_from": ([*prior.get("continued_from", []), a.init_run]

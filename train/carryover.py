@@ -31,9 +31,16 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from train.baseline import Sequence, load_sequences, target_embedding
+from train.baseline import (
+    Sequence,
+    attach_markov_head,
+    load_sequences,
+    param_groups,
+    target_embedding,
+)
 from train.dflash_loss import (
     IGNORE,
+    Blocks,
     BlockStats,
     make_blocks,
     sample_anchors,
@@ -93,15 +100,16 @@ def context_kv(model: TorchDrafter, aux: torch.Tensor) -> tuple[torch.Tensor, to
 
 def block_logits_over(model: TorchDrafter, k: torch.Tensor, v: torch.Tensor,
                       tokens: torch.Tensor, anchors: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain DFlash (logits [A, K, V], labels [A, K]) over precomputed context K/V."""
+                      ) -> tuple[torch.Tensor, Blocks]:
+    """Plain DFlash blocks over precomputed context K/V: (the backbone's logits
+    [A, K, V], without any Markov bias; the blocks, with their labels [A, K])."""
     d = model.config
     blocks = make_blocks(tokens, anchors, d.block_size, d.mask_token_id, k.shape[1])
     a = anchors.shape[0]
     ctx_k = k[:, None].expand(-1, a, -1, -1, -1)
     ctx_v = v[:, None].expand(-1, a, -1, -1, -1)
     logits = model(blocks.query_ids, blocks.query_pos, ctx_k, ctx_v, blocks.ctx_mask)
-    return logits[:, 1:], blocks.labels
+    return logits[:, 1:], blocks
 
 
 def verify_inputs(tokens: torch.Tensor, anchors: torch.Tensor, drafts: torch.Tensor,
@@ -195,7 +203,7 @@ def second_draft_logits(model: TorchDrafter, k: torch.Tensor, v: torch.Tensor,
     slot_mask = torch.arange(kk)[None, :] >= accepted[:, None]
     mask = torch.cat([blocks.ctx_mask, slot_mask & use_slot], dim=1)
     logits = model(blocks.query_ids, blocks.query_pos, ctx_k, ctx_v, mask)
-    return logits[:, 1:], blocks.labels
+    return model.teacher_forced(logits[:, 1:], blocks.prev_ids), blocks.labels
 
 
 def draft_verify_draft(model: TorchDrafter, decoder: Any, tokens: torch.Tensor,
@@ -204,23 +212,27 @@ def draft_verify_draft(model: TorchDrafter, decoder: Any, tokens: torch.Tensor,
                        first_loss: bool = True) -> DraftVerifyDraft:
     """The whole pass for one sequence; logits carry gradients into the drafter.
 
-    Drafts are always the full-vocabulary argmax (what inference proposes);
-    `head_ids` restricts only the trained logits (sampled softmax).
+    Drafts are always the full-vocabulary greedy ones (what inference proposes:
+    left to right through a Markov head); `head_ids` restricts only the trained
+    logits (sampled softmax), which are teacher-forced through a Markov head.
     """
     d = model.config
     kk = d.block_size - 1
     k, v = context_kv(model, aux)
     first = None
     if first_loss and head_ids is None:  # full-vocabulary loss: one forward does both
-        first, labels = block_logits_over(model, k, v, tokens, anchors)
-        drafts = first.detach().argmax(-1)
+        base, blocks = block_logits_over(model, k, v, tokens, anchors)
+        first = model.teacher_forced(base, blocks.prev_ids)
+        drafts = model.draft_tokens(base.detach(), blocks.query_ids[:, 0])
     else:
         with torch.no_grad():
-            full, labels = block_logits_over(model, k.detach(), v.detach(), tokens, anchors)
-            drafts = full.argmax(-1)
+            base, blocks = block_logits_over(model, k.detach(), v.detach(), tokens, anchors)
+            drafts = model.draft_tokens(base, blocks.query_ids[:, 0])
         if first_loss:
             with restricted_head(model, head_ids):
-                first, _ = block_logits_over(model, k, v, tokens, anchors)
+                base, _ = block_logits_over(model, k, v, tokens, anchors)
+                first = model.teacher_forced(base, blocks.prev_ids)
+    labels = blocks.labels
     accepted = accepted_length(drafts, labels)
     keep = second_anchor_ok(anchors, accepted, kk, tokens.shape[0])
     rej = rejected_states(decoder, tokens, anchors[keep], drafts[keep], accepted[keep],
@@ -279,17 +291,14 @@ def train_carryover(a: CarryoverArgs) -> Path:
     torch.manual_seed(a.seed)
     cfg, state, init_meta = load_init(a.init)
     cfg = {k: v for k, v in cfg.items() if k != "carryover_config"}
+    cfg, state = attach_markov_head(cfg, state, a.markov_rank, a.seed)
     dcfg = DrafterConfig.from_dict(cfg)
     model = TorchDrafter(dcfg, target_embedding(a.target))
     model.load_checkpoint_state(state)
-    params = [p for p in model.parameters() if p.requires_grad]
     # the rejected embedding is new (zero) while the rest is trained: let it move faster
-    rest = [p for p in params if p is not model.rejected_embedding]
-    opt = torch.optim.AdamW(
-        [{"params": rest, "lr_mult": 1.0},
-         {"params": [model.rejected_embedding], "lr_mult": a.rejected_lr_mult,
-          "weight_decay": 0.0}],
-        lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    groups = param_groups(model, a, a.rejected_lr_mult)
+    params = [p for g in groups for p in g["params"]]
+    opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01)
     decoder = truncated_decoder(a.target, max(dcfg.target_layer_ids))
     for p in decoder.parameters():
         p.requires_grad_(False)
@@ -336,7 +345,8 @@ def train_carryover(a: CarryoverArgs) -> Path:
     print("final heldout " + json.dumps(final))
     done, counts = loop.done, loop.done.counts
     label_tokens = counts["first_label_tokens"] + counts["second_label_tokens"]
-    meta = {"recipe": "carryover", "steps": done.step, "trained_label_tokens": label_tokens,
+    meta = {"recipe": "dspark-carryover" if dcfg.markov_rank else "carryover",
+            "steps": done.step, "trained_label_tokens": label_tokens,
             **counts, "train_seconds": round(done.train_seconds, 1),
             "label_tokens_per_s": round(label_tokens / max(done.train_seconds, 1e-9), 1),
             "anchors_per_s": round(counts["anchors"] / max(done.train_seconds, 1e-9), 2),

@@ -28,6 +28,13 @@ class Blocks:
     labels: torch.Tensor  # [A, Q - 1]: true tokens at anchor + 1.., IGNORE past the end
     ctx_mask: torch.Tensor  # [A, S]: context position s visible iff s < anchor
 
+    @property
+    def prev_ids(self) -> torch.Tensor:
+        """[A, Q - 1]: the true token before each draft slot (the Markov head's
+        teacher-forced input); past the end, where labels are ignored, a dummy 0."""
+        prev = torch.cat([self.query_ids[:, :1], self.labels[:, :-1]], dim=1)
+        return prev.clamp(min=0)
+
 
 def sample_anchors(lo: int, hi: int, num: int, gen: torch.Generator) -> torch.Tensor:
     """Up to `num` distinct anchor positions in [lo, hi) (all of them if fewer)."""

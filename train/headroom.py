@@ -61,8 +61,9 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
             if not anchors.numel():
                 continue
             k, v = context_kv(drafter, seq.aux)
-            first, labels = block_logits_over(drafter, k, v, tokens, anchors)
-            drafts = first.argmax(-1)
+            first, blocks = block_logits_over(drafter, k, v, tokens, anchors)
+            labels = blocks.labels
+            drafts = drafter.draft_tokens(first, blocks.query_ids[:, 0])
             acc = accepted_length(drafts, labels)
             # anchors with a rejection whose next block fits in the sequence
             keep = second_anchor_ok(anchors, acc, kk, tokens.shape[0]) & (acc < kk)

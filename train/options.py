@@ -35,6 +35,8 @@ class TrainArgs:
     eval_anchors_per_seq: int = 16
     vocab_subset: bool = True
     num_negatives: int = 4096
+    markov_rank: int = 0
+    markov_lr_mult: float = 10.0
     seed: int = 0
     threads: int = 2
     save_every: int = 50
@@ -107,6 +109,13 @@ def add_train_options(p: argparse.ArgumentParser, d: TrainArgs) -> None:
     p.add_argument("--num-negatives", type=int, default=d.num_negatives,
                    help="random extra tokens per step in the sampled softmax "
                    "(default: %(default)s)")
+    p.add_argument("--markov-rank", type=int, default=d.markov_rank,
+                   help="train the semi-autoregressive variant: add a Markov head of this "
+                   "rank (a low-rank logit bias from the previous block token) to a drafter "
+                   "that has none; it starts at zero, i.e. as the drafter it extends; a "
+                   "drafter that has a head keeps it; 0: no new head (default: %(default)s)")
+    p.add_argument("--markov-lr-mult", type=float, default=d.markov_lr_mult,
+                   help="learning-rate multiplier of the Markov head (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed of the initial weights and of the sequence / anchor draws; "
                    "process r of torchrun draws with seed + r (default: %(default)s)")

@@ -35,13 +35,14 @@ def remap_labels(labels: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> to
 
 @contextmanager
 def restricted_head(model: TorchDrafter, ids: torch.Tensor | None) -> Iterator[None]:
-    """Within the block, the drafter's logits cover only the token `ids` (None: all)."""
+    """Within the block, the drafter's logits (LM head and Markov bias) cover only the
+    tokens `ids` (None: all)."""
     if ids is None:
         yield
         return
     full = model.lm_head
-    model.lm_head = full[ids]
+    model.lm_head, model.vocab_ids = full[ids], ids
     try:
         yield
     finally:
-        model.lm_head = full
+        model.lm_head, model.vocab_ids = full, None

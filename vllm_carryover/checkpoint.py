@@ -3,7 +3,9 @@
 A drafter folder is a vLLM DFlash checkpoint (`config.json` with
 `architectures: ["DFlashDraftModel"]`, `model.safetensors` without embeddings or
 LM head) plus, optionally, the carryover weight `rejected_embedding` [hidden] and
-a `carryover_config` block in `config.json` with training metadata.
+a `carryover_config` block in `config.json` with training metadata. A
+`markov_rank` r > 0 in `config.json` makes it the semi-autoregressive variant:
+the weights then also hold the Markov head (`markov_head.py`), [V, r] twice.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from vllm_carryover.markov_head import MARKOV_W1, MARKOV_W2
 
 WEIGHTS_FILE = "model.safetensors"
 REJECTED_EMBEDDING = "rejected_embedding"
@@ -44,6 +48,12 @@ class DrafterConfig:
     target_layer_ids: tuple[int, ...]
     target_hidden_size: int
     causal: bool
+    markov_rank: int = 0  # 0: DFlash-style parallel drafter; r > 0: with a Markov head
+
+    @property
+    def variant(self) -> str:
+        return f"semi-autoregressive (Markov head, rank {self.markov_rank})" \
+            if self.markov_rank else "parallel (DFlash-style)"
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> DrafterConfig:
@@ -70,6 +80,7 @@ class DrafterConfig:
             target_layer_ids=tuple(dflash["target_layer_ids"]),
             target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
             causal=causal,
+            markov_rank=cfg.get("markov_rank") or 0,
         )
 
 
@@ -81,9 +92,11 @@ def make_config_dict(
     target_layer_ids: list[int],
     mask_token_id: int,
     intermediate_size: int | None = None,
+    markov_rank: int = 0,
     carryover_meta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A DFlash `config.json` for a drafter that shares a Llama-like target's shapes."""
+    """A DFlash `config.json` for a drafter that shares a Llama-like target's shapes
+    (with a Markov head of rank `markov_rank` when it is > 0)."""
     heads = target_cfg["num_attention_heads"]
     hidden = target_cfg["hidden_size"]
     rope_theta = (target_cfg.get("rope_parameters") or {}).get(
@@ -113,6 +126,7 @@ def make_config_dict(
             "target_layer_ids": list(target_layer_ids),
             "use_aux_hidden_state": True,
         },
+        **({"markov_rank": markov_rank} if markov_rank else {}),
         "carryover_config": carryover_meta or {},
     }
 
@@ -200,6 +214,12 @@ def validate_drafter(path: str | Path, target_cfg: Any, num_speculative_tokens: 
         raise CarryoverConfigError(
             f"drafter {path} has mask_token_id {drafter.mask_token_id} outside the vocabulary"
         )
+    if isinstance(drafter.markov_rank, bool) or not isinstance(drafter.markov_rank, int) \
+            or drafter.markov_rank < 0:
+        raise CarryoverConfigError(
+            f"drafter {path} has markov_rank {drafter.markov_rank!r}; it must be a "
+            "non-negative integer (0 or absent: no Markov head)"
+        )
     if drafter.causal:
         raise CarryoverConfigError(
             f"drafter {path} is causal; carryover places rejected states after the query "
@@ -239,6 +259,9 @@ def expected_shapes(d: DrafterConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
+    if d.markov_rank:
+        shapes |= {MARKOV_W1: (d.vocab_size, d.markov_rank),
+                   MARKOV_W2: (d.vocab_size, d.markov_rank)}
     return shapes
 
 
@@ -249,6 +272,13 @@ def _check_shapes(path: Path, header: dict[str, Any], d: DrafterConfig) -> None:
         raise CarryoverConfigError(
             f"drafter weights {path / WEIGHTS_FILE} lack {len(missing)} tensors "
             f"(first: {missing[0]}); the file does not match its config.json"
+        )
+    stray = sorted(n for n in (MARKOV_W1, MARKOV_W2) if n in header and n not in want)
+    if stray:
+        raise CarryoverConfigError(
+            f"drafter weights {path / WEIGHTS_FILE} hold a Markov head ({stray[0]}) but "
+            "config.json has no markov_rank; add \"markov_rank\": R (the head's second "
+            "dimension) to config.json"
         )
     for name, shape in want.items():
         got = tuple(header[name]["shape"])
@@ -271,8 +301,8 @@ def has_rejected_embedding(path: str | Path) -> bool:
 
 
 def random_state_dict(d: DrafterConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A randomly initialised plain DFlash drafter (norms at one, linears scaled by
-    fan-in); it has no rejected embedding, so vLLM's in-tree DFlash loads it too."""
+    """A randomly initialised drafter (norms at one, matrices scaled by fan-in); it has
+    no rejected embedding, so without a Markov head vLLM's in-tree DFlash loads it too."""
     gen = torch.Generator().manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
     for name, shape in expected_shapes(d).items():

@@ -2,9 +2,10 @@
 
 Set `VLLM_CARRYOVER_TRACE=DIR` and every drafting round of every worker writes
 `DIR/<pid>-<round>.pt`: request ids, verify rows (fused target states and their
-positions), rejected and carried counts, bonus tokens, query positions and the
-draft logits. Tests replay these rounds through the plain PyTorch drafter to
-check the vLLM path against an explicit computation; it is also a debugging aid.
+positions), rejected and carried counts, bonus tokens, query positions, the
+draft logits and, for a drafter with a Markov head, the drafted tokens. Tests
+replay these rounds through the plain PyTorch drafter to check the vLLM path
+against an explicit computation; it is also a debugging aid.
 Off by default; when off it costs nothing.
 """
 
@@ -36,10 +37,13 @@ class DraftTrace:
         self._pending = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
                          for k, v in inputs.items()}
 
-    def finish(self, logits: torch.Tensor) -> None:
+    def finish(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> None:
+        """Write the round: the backbone's logits and, when given, the drafted tokens."""
         if self._pending is None:
             return
         record = dict(self._pending, logits=logits.detach().float().cpu())
+        if drafts is not None:
+            record["drafts"] = drafts.detach().cpu()
         torch.save(record, self.directory / f"{os.getpid()}-{self._round:06d}.pt")
         self._round += 1
         self._pending = None

@@ -43,6 +43,7 @@ def init_drafter(
     target_layer_ids: list[int] | None = None,
     mask_token_id: int | None = None,
     intermediate_size: int | None = None,
+    markov_rank: int = 0,
     from_dflash: str | Path | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
@@ -64,6 +65,7 @@ def init_drafter(
             target_layer_ids=target_layer_ids or default_target_layers(depth),
             mask_token_id=mask_token_id if mask_token_id is not None else 0,
             intermediate_size=intermediate_size,
+            markov_rank=markov_rank,
             carryover_meta={"initialized": "random", "seed": seed},
         )
         state = random_state_dict(DrafterConfig.from_dict(cfg), seed)
@@ -103,6 +105,10 @@ def main(argv: list[str] | None = None) -> None:
                    "(default 0)")
     p.add_argument("--intermediate-size", type=int, help="drafter MLP width "
                    "(default: the target's)")
+    p.add_argument("--markov-rank", type=int, default=0,
+                   help="the semi-autoregressive variant: a Markov head of this rank, which "
+                   "drafts the block left to right with a logit bias from the previous "
+                   "token (default: 0, the parallel DFlash-style drafter)")
     p.add_argument("--from-dflash", help="start from this DFlash checkpoint instead of "
                    "random weights; a missing rejected embedding starts at zero")
     p.add_argument("--seed", type=int, default=0)
@@ -111,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     path = init_drafter(
         a.target, a.out, num_layers=a.layers, block_size=a.block_size,
         target_layer_ids=a.target_layers, mask_token_id=a.mask_token_id,
-        intermediate_size=a.intermediate_size, from_dflash=a.from_dflash, seed=a.seed,
+        intermediate_size=a.intermediate_size, markov_rank=a.markov_rank,
+        from_dflash=a.from_dflash, seed=a.seed,
         dtype=getattr(torch, a.dtype),
     )
     print(path)

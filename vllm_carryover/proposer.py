@@ -5,6 +5,8 @@ every verified row, rejected drafts included. DFlash projects them all and then
 lets the next query block overwrite the rejected ones. This proposer marks the
 rejected rows (the drafter adds its rejected embedding to them) and moves the
 query block past them, so the next draft attends to them (see `carryover_slot`).
+A drafter with a Markov head (the semi-autoregressive variant) then picks its
+block left to right instead of in one parallel sample (`markov_head`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_carryover.carryover_slot import SlotLayout, plan_slots, shift_query_slots
 from vllm_carryover.draft_trace import DraftTrace
+from vllm_carryover.markov_head import draft_left_to_right
 from vllm_carryover.metrics import CarryoverCounters
 from vllm_carryover.slot_table import ENV_CHECK, SlotTable, checks_enabled, round_slots
 from vllm_carryover.speculative_config import CarryoverSettings
@@ -37,6 +40,7 @@ class CarryoverProposer(DFlashProposer):
         self.settings = CarryoverSettings.from_hf_config(self.draft_model_config.hf_config)
         self.counters = CarryoverCounters.for_this_process()
         self._layout: SlotLayout | None = None
+        self._bonus: torch.Tensor | None = None  # this round's bonus tokens [batch]
         self.trace = DraftTrace.from_env()
         self.step_timer = StepTimer.from_env(device)
         self._runner = runner  # for request ids in traces and slot checks
@@ -44,8 +48,12 @@ class CarryoverProposer(DFlashProposer):
         self.check_slots = checks_enabled()
         if self.check_slots:
             logger.info("Carryover slot ownership is checked every round (%s=1).", ENV_CHECK)
-        logger.info("Carryover drafting: context from rejected states is %s.",
-                    "on" if self.settings.enabled else "off (matched DFlash baseline)")
+        logger.info("Carryover drafting (%s drafter): context from rejected states is %s.",
+                    "semi-autoregressive" if self._markov_rank() else "parallel",
+                    "on" if self.settings.enabled else "off (matched baseline)")
+
+    def _markov_rank(self) -> int:
+        return getattr(self.draft_model_config.hf_config, "markov_rank", 0) or 0
 
     @override
     def propose(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -78,6 +86,7 @@ class CarryoverProposer(DFlashProposer):
             token_indices_to_sample, cad, num_rejected_tokens_gpu,
         )
         self._layout = None
+        self._bonus = next_token_ids[: cad.batch_size()]
         if self.trace is not None:
             batch = cad.batch_size()
             self.trace.begin(
@@ -152,6 +161,16 @@ class CarryoverProposer(DFlashProposer):
     @override
     def _sample_draft_tokens(self, hidden_states: torch.Tensor,
                              sampling_metadata: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        head = self.model.markov_head
+        if head is None:
+            if self.trace is not None:
+                self.trace.finish(self.model.compute_logits(hidden_states))
+            return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+        logits = self.model.compute_logits(hidden_states)  # [batch * K, V], request-major
+        assert self._bonus is not None
+        tokens, probs = draft_left_to_right(
+            logits.view(-1, self.num_speculative_tokens, logits.shape[-1]), self._bonus, head,
+            lambda slot_logits: self._sample_from_logits(slot_logits, sampling_metadata))
         if self.trace is not None:
-            self.trace.finish(self.model.compute_logits(hidden_states))
-        return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+            self.trace.finish(logits, tokens)
+        return tokens.flatten(), None if probs is None else probs.flatten(0, 1)

@@ -3,7 +3,9 @@
 `train/` trains this module, and the tests use it as the oracle for the vLLM
 path: the draft block's queries attend, non-causally, over explicit
 concatenated K/V (committed context, the block itself, and the carryover slot).
-Embeddings and LM head are the target's own and stay frozen.
+Embeddings and LM head are the target's own and stay frozen. `forward` gives the
+backbone's logits; a drafter with a Markov head adds its bias on top, left to
+right when drafting (`draft_tokens`), teacher-forced in training (`teacher_forced`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 
 from kernels import ContextProjectionWeights, apply_rope, project_context_kv_reference, rms_norm
 from vllm_carryover.checkpoint import REJECTED_EMBEDDING, DrafterConfig
+from vllm_carryover.markov_head import MarkovHead, draft_left_to_right, greedy
 
 
 def rope_cache(head_dim: int, max_position: int, theta: float) -> torch.Tensor:
@@ -63,6 +66,8 @@ class TorchDrafter(nn.Module):
         self.norm = _Weight(d.hidden_size)
         self.layers = nn.ModuleList(DraftLayer(d) for _ in range(d.num_hidden_layers))
         self.rejected_embedding = nn.Parameter(torch.zeros(d.hidden_size))
+        self.markov_head = MarkovHead(d.vocab_size, d.markov_rank) if d.markov_rank else None
+        self.vocab_ids: torch.Tensor | None = None  # set by train's sampled softmax
         self.register_buffer("embed", embed_weight.detach(), persistent=False)
         head = lm_head_weight if lm_head_weight is not None else embed_weight
         self.register_buffer("lm_head", head.detach(), persistent=False)
@@ -145,6 +150,20 @@ class TorchDrafter(nn.Module):
             x = x + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(h)) * layer.mlp.up_proj(h))
         x = rms_norm(x, self.norm.weight, d.rms_norm_eps)
         return x @ self.lm_head.T.float()
+
+    def teacher_forced(self, logits: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+        """Backbone logits [..., V] plus the Markov bias of the true previous tokens
+        `prev_ids` [...] (unchanged without a head)."""
+        if self.markov_head is None:
+            return logits
+        return logits + self.markov_head.bias(prev_ids, self.vocab_ids)
+
+    def draft_tokens(self, logits: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts [B, K] from backbone logits [B, K, V] over the full vocabulary,
+        left to right through the Markov head when there is one (as vLLM drafts)."""
+        if self.markov_head is None:
+            return logits.argmax(-1)
+        return draft_left_to_right(logits, bonus, self.markov_head, greedy)[0]
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, *x.shape[2:])

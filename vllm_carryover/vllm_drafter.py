@@ -4,7 +4,8 @@ The query side (bonus + mask tokens through the drafter layers) is vLLM's
 DFlash code unchanged. The context side is replaced by `kernels.project_context_kv`,
 which also serves rejected states: they get the learned `rejected_embedding`
 added after the hidden norm. The proposer decides which rows are rejected and
-where their K/V go in the paged cache.
+where their K/V go in the paged cache. A checkpoint with `markov_rank` > 0 also
+gets the Markov head (`markov_head.py`), which the proposer drafts with.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFla
 
 from kernels import ContextProjectionWeights, project_context_kv
 from vllm_carryover.checkpoint import REJECTED_EMBEDDING
+from vllm_carryover.markov_head import MarkovHead
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
 
@@ -85,6 +87,11 @@ class CarryoverDraftModel(DFlashQwen3ForCausalLM):
 
     model_cls = CarryoverDFlashModel
 
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        rank = getattr(self.config, "markov_rank", 0) or 0
+        self.markov_head = MarkovHead(self.config.vocab_size, rank) if rank else None
+
     def precompute_and_store_context_kv(
         self,
         context_states: torch.Tensor,
@@ -98,13 +105,19 @@ class CarryoverDraftModel(DFlashQwen3ForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         found = False
+        head = dict(self.markov_head.named_parameters(prefix="markov_head")) \
+            if self.markov_head is not None else {}
         rest = []
         for name, tensor in weights:
             if name.endswith(REJECTED_EMBEDDING):
                 self.model.rejected_embedding.data.copy_(tensor.reshape(-1))
                 found = True
+            elif (own := next((k for k in head if name.endswith(k)), None)) is not None:
+                head.pop(own).data.copy_(tensor)
             else:
                 rest.append((name, tensor))
+        if head:
+            raise ValueError(f"drafter checkpoint lacks the Markov head weights {sorted(head)}")
         if not found:
             logger.info(
                 "Drafter checkpoint has no %s: it starts at zero, so rejected states "
