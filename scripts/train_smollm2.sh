@@ -8,8 +8,12 @@
 #      threads each, one after the other):
 #      (a) more plain DFlash training -> dflash-baseline/
 #      (b) carryover draft-verify-draft training -> carryover/
-#   4. export both and measure tau per category through vLLM.
-# About 1.5 hours on a 2-core CPU (data ~20 min, stage 3 carryover ~25 min).
+#      and the semi-autoregressive variant, the same two recipes with a fresh Markov
+#      head of rank 16 added to mix-baseline:
+#      (c) plain training -> dspark-baseline/
+#      (d) carryover training -> dspark-carryover/
+#   4. export all four and measure tau per category through vLLM.
+# About 2 hours on a 2-core CPU (data ~20 min, each stage-3 carryover run ~25 min).
 # Logs under $LOGS (default /tmp/train-smollm2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +32,15 @@ $PY -m train baseline --run mix-baseline-s3 --init-run mix-baseline --steps 300 
   --warmup 10 --eval-every 75 --save-every 25 2>&1 | tee "$LOGS/s3-baseline.log"
 $PY -m train carryover --run mix-carryover-s3 --init mix-baseline --steps 300 --lr 3e-4 \
   --warmup 10 --eval-every 75 --save-every 25 2>&1 | tee "$LOGS/s3-carryover.log"
+$PY -m train baseline --run mix-dspark-baseline-s3 --init-run mix-baseline --markov-rank 16 \
+  --steps 300 --lr 3e-4 --warmup 10 --eval-every 75 --save-every 25 \
+  2>&1 | tee "$LOGS/s3-dspark-baseline.log"
+$PY -m train carryover --run mix-dspark-carryover-s3 --init mix-baseline --markov-rank 16 \
+  --steps 300 --lr 3e-4 --warmup 10 --eval-every 75 --save-every 25 \
+  2>&1 | tee "$LOGS/s3-dspark-carryover.log"
 $PY -m train export --run mix-baseline-s3 --out "$OUT/dflash-baseline"
 $PY -m train export --run mix-carryover-s3 --out "$OUT/carryover"
+$PY -m train export --run mix-dspark-baseline-s3 --out "$OUT/dspark-baseline"
+$PY -m train export --run mix-dspark-carryover-s3 --out "$OUT/dspark-carryover"
 $PY -m train eval --dtype float32 --num-prompts 12 --max-tokens 96 --out "$LOGS/eval.json" \
   2>&1 | tee "$LOGS/eval.log"

@@ -28,9 +28,15 @@ def random_drafter(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 @pytest.fixture(scope="session")
-def trained_drafter() -> Path:
+def shipped_drafters() -> Path:
+    """The folder of the SmolLM2 drafters that `train/` made and the repository ships."""
+    return (Path(__file__).resolve().parent.parent / "train" / "checkpoints"
+            / "smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def trained_drafter(shipped_drafters: Path) -> Path:
     """The shipped SmolLM2 drafter trained by `python -m train baseline`: often right."""
-    path = (Path(__file__).resolve().parent.parent / "train" / "checkpoints"
-            / "smollm2-135m-instruct" / "dflash-baseline")
+    path = shipped_drafters / "dflash-baseline"
     assert (path / "model.safetensors").is_file(), f"missing shipped drafter {path}"
     return path

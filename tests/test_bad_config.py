@@ -247,6 +247,46 @@ def test_tensor_of_wrong_shape_is_refused(smollm2, drafter_copy):
         engine_config(smollm2, carryover(drafter_copy))
 
 
+def add_markov_head_weights(drafter: Path, rank: int = 4) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from vllm_carryover.markov_head import fresh_markov_state
+
+    weights = str(drafter / WEIGHTS_FILE)
+    save_file(load_file(weights) | fresh_markov_state(49152, rank), weights)
+
+
+def test_markov_head_weights_without_markov_rank_are_refused(smollm2, drafter_copy):
+    add_markov_head_weights(drafter_copy)
+    with pytest.raises(CarryoverConfigError,
+                       match=r"hold a Markov head .* config\.json has no markov_rank; add "
+                       r"\"markov_rank\": R"):
+        engine_config(smollm2, carryover(drafter_copy))
+
+
+def test_markov_rank_without_head_weights_is_refused(smollm2, drafter_copy):
+    edit_config(drafter_copy, lambda cfg: cfg.update(markov_rank=4))
+    with pytest.raises(CarryoverConfigError,
+                       match=r"lack 2 tensors \(first: markov_head\.markov_w1\.weight\)"):
+        engine_config(smollm2, carryover(drafter_copy))
+
+
+def test_markov_head_of_another_rank_than_the_config_is_refused(smollm2, drafter_copy):
+    add_markov_head_weights(drafter_copy, rank=4)
+    edit_config(drafter_copy, lambda cfg: cfg.update(markov_rank=8))
+    with pytest.raises(CarryoverConfigError,
+                       match=r"markov_head\.markov_w1\.weight has shape \[49152, 4\] but "
+                       r"config\.json implies \[49152, 8\]"):
+        engine_config(smollm2, carryover(drafter_copy))
+
+
+@pytest.mark.parametrize("rank", [-1, 2.5, "8"])
+def test_markov_rank_that_is_not_a_count_is_refused(smollm2, drafter_copy, rank):
+    edit_config(drafter_copy, lambda cfg: cfg.update(markov_rank=rank))
+    with pytest.raises(CarryoverConfigError, match=r"markov_rank .* must be a non-negative int"):
+        engine_config(smollm2, carryover(drafter_copy))
+
+
 # -- the CLI exception hook --------------------------------------------------------------
 
 

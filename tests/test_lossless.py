@@ -80,6 +80,19 @@ def test_float32_trained_drafter_is_token_identical_with_accepted_drafts(
         assert 0 < nonempty < drafts  # whole acceptances leave the next slot empty
 
 
+def test_float32_semi_autoregressive_drafter_is_token_identical_with_accepted_drafts(
+        smollm2, prompts, shipped_drafters, reference_fp32, tmp_path):
+    """The shipped DSpark-derived drafter (Markov head, trained with carryover) drafts
+    its blocks left to right; the output stays the target's own."""
+    out = generate(smollm2, prompts, tmp_path, "dspark-carryover",
+                   shipped_drafters / "dspark-carryover")
+    assert out["token_ids"] == reference_fp32["token_ids"]
+    spec, co = out["spec"], out["carryover"]
+    accepted = spec["spec_decode_num_accepted_tokens"]
+    assert accepted > 0.05 * spec["spec_decode_num_drafts"]
+    assert co["carryover_rejected_states"] == spec["spec_decode_num_draft_tokens"] - accepted
+
+
 def test_batch_size_schedule_drafts_only_in_small_batches_and_stays_identical(
         smollm2, prompts, trained_drafter, reference_fp32, tmp_path):
     """vLLM's `num_speculative_tokens_per_batch_size` with carryover (the benchmarks'

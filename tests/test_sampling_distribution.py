@@ -30,8 +30,9 @@ from engine_runner import run_engine
 from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_target
 
-from vllm_carryover.checkpoint import load_drafter_state
+from vllm_carryover.checkpoint import load_drafter_state, save_drafter
 from vllm_carryover.init_drafter import init_drafter
+from vllm_carryover.markov_head import MARKOV_W1, MARKOV_W2
 
 K = 3
 VOCAB = 64
@@ -100,6 +101,17 @@ def make_mode_drafter(target: Path, out: Path, seed: int = 0) -> Path:
             state[name] = DRAFTER_DAMPING * state[name]
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
     return out
+
+
+def add_markov_head(drafter: Path, rank: int = 4, seed: int = 0) -> Path:
+    """Turn a drafter into the semi-autoregressive variant: a random Markov head whose
+    bias (a few tenths of a logit) reorders the drafter's close proposals."""
+    cfg, state = load_drafter_state(drafter)
+    gen = torch.Generator().manual_seed(seed + 2)
+    state[MARKOV_W1] = torch.randn(VOCAB, rank, generator=gen)
+    state[MARKOV_W2] = torch.randn(VOCAB, rank, generator=gen) / (2 * rank)
+    save_drafter(drafter, dict(cfg, markov_rank=rank), state)
+    return drafter
 
 
 def sample_offline(target: Path, temperatures: list[float], seed: int) -> list[np.ndarray]:
@@ -183,16 +195,19 @@ def report(title: str, rows: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """The target, a parallel drafter and a semi-autoregressive (Markov head) drafter."""
     root = tmp_path_factory.mktemp("sampling")
     target = make_prior_target(root / "target")
-    return target, make_mode_drafter(target, root / "drafter")
+    markov = add_markov_head(make_mode_drafter(target, root / "markov"))
+    return target, make_mode_drafter(target, root / "drafter"), markov
 
 
 @pytest.fixture(scope="module")
 def engine_samples(models, tmp_path_factory) -> dict[str, dict]:
-    """N samples from a plain engine and from a carryover engine."""
-    target, drafter = models
+    """N samples from a plain engine, a carryover engine and a carryover engine whose
+    Markov-head drafter samples its drafts (so rejection sampling uses its probabilities)."""
+    target, drafter, markov = models
     workdir = tmp_path_factory.mktemp("engines")
     # In-process engines (no spawned engine core and worker) start in seconds, not
     # minutes; a token budget above 512 prompts keeps prefills unchunked, since a
@@ -206,6 +221,9 @@ def engine_samples(models, tmp_path_factory) -> dict[str, dict]:
         "none": {"engine": engine, "seeds": list(range(N))},
         "carryover": {"engine": {**engine, "speculative_config": spec},
                       "seeds": list(range(N, 2 * N))},
+        "markov-sampled": {"engine": {**engine, "speculative_config": {
+            **spec, "model": str(markov), "draft_sample_method": "probabilistic"}},
+            "seeds": list(range(3 * N, 4 * N))},
     }
     out = {name: run_engine({"model": str(target), "prompts": [PROMPT] * N,
                              "max_tokens": MAX_TOKENS, "temperature": TEMPERATURE, **job},
@@ -217,8 +235,10 @@ def engine_samples(models, tmp_path_factory) -> dict[str, dict]:
     return out
 
 
-def test_carryover_engine_exercises_accept_reject_bonus_and_carried_states(engine_samples):
-    spec, co = engine_samples["carryover"]["spec"], engine_samples["carryover"]["carryover"]
+@pytest.mark.parametrize("engine", ["carryover", "markov-sampled"])
+def test_carryover_engine_exercises_accept_reject_bonus_and_carried_states(engine_samples,
+                                                                          engine):
+    spec, co = engine_samples[engine]["spec"], engine_samples[engine]["carryover"]
     print(f"\nspec counters: {spec}\ncarryover counters: {co}")
     drafted = spec["spec_decode_num_draft_tokens"]
     accepted = spec["spec_decode_num_accepted_tokens"]
@@ -229,9 +249,10 @@ def test_carryover_engine_exercises_accept_reject_bonus_and_carried_states(engin
     assert 0 < co["carryover_nonempty_slot_rounds"] < co["carryover_draft_rounds"]
 
 
-def test_carryover_sampling_matches_sampling_without_speculation(engine_samples):
-    rows = compare(engine_samples["carryover"]["tokens"], engine_samples["none"]["tokens"])
-    report("carryover vs no speculation", rows)
+@pytest.mark.parametrize("engine", ["carryover", "markov-sampled"])
+def test_carryover_sampling_matches_sampling_without_speculation(engine_samples, engine):
+    rows = compare(engine_samples[engine]["tokens"], engine_samples["none"]["tokens"])
+    report(f"{engine} vs no speculation", rows)
     for r in rows:
         assert r["p"] > ALPHA / len(rows), f"{r['name']}: distributions differ (p={r['p']:.2g})"
         assert r["tv"] < r["tv_bound"], f"{r['name']}: TV {r['tv']:.3f} > {r['tv_bound']:.3f}"

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from train.baseline import Sequence, block_logits, target_embedding
+from train.baseline import Sequence, attach_markov_head, block_logits, target_embedding
 from train.carryover import (
     accepted_length,
     context_kv,
@@ -25,9 +25,10 @@ from train.carryover import (
 )
 from train.dflash_loss import slot_weights, weighted_block_ce
 from train.target_states import aux_states, truncated_decoder
-from train.vocab_subset import remap_labels, step_vocab
+from train.vocab_subset import remap_labels, restricted_head, step_vocab
 from vllm_carryover.checkpoint import DrafterConfig, load_drafter_state
 from vllm_carryover.init_drafter import init_drafter
+from vllm_carryover.markov_head import MARKOV_W1, MARKOV_W2
 from vllm_carryover.torch_drafter import TorchDrafter
 
 BLOCK = 6  # K = 5
@@ -261,3 +262,111 @@ def test_baseline_blocks_equal_per_anchor_draft_logits(tiny) -> None:
     w = slot_weights(k, 4.0)
     torch.testing.assert_close(weighted_block_ce(got, labels, w)[0],
                                weighted_block_ce(want, labels, w)[0], atol=ATOL, rtol=ATOL)
+
+
+# -- the semi-autoregressive variant (Markov head) ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_markov(tiny) -> TorchDrafter:
+    """The tiny drafter plus a random Markov head of rank 8 (large enough to steer drafts)."""
+    _, model = tiny
+    cfg = DrafterConfig(**{**vars(model.config), "markov_rank": 8})
+    head = TorchDrafter(cfg, model.embed)
+    gen = torch.Generator().manual_seed(2)
+    head.load_checkpoint_state(model.checkpoint_state() | {
+        MARKOV_W1: torch.randn(256, 8, generator=gen),
+        MARKOV_W2: torch.randn(256, 8, generator=gen) / 2})
+    return head
+
+
+def test_markov_drafts_go_left_to_right_and_trained_logits_are_teacher_forced(
+        tiny, tiny_markov) -> None:
+    """draft-verify-draft with a Markov head vs a per-anchor loop: the first drafts are
+    the greedy left-to-right picks (so the rejected states are the target's at those
+    tokens), the trained logits add the bias of the TRUE previous token."""
+    target, _ = tiny
+    model = tiny_markov
+    decoder = decoder_for(target)
+    seq = sequence(decoder, 40, seed=11)
+    k = BLOCK - 1
+    anchors = torch.arange(3, 33, 3)
+    with torch.no_grad():
+        r = draft_verify_draft(model, decoder, seq.tokens, seq.aux, anchors)
+        fused = model.fuse(seq.aux)
+        steered = 0
+        for i, p in enumerate(anchors.tolist()):
+            base = model.draft_logits(fused[:p], torch.arange(p), int(seq.tokens[p]), p, k)
+            drafts = model.draft_tokens(base[None], seq.tokens[p:p + 1])[0]
+            assert torch.equal(r.drafts[i], drafts)
+            steered += not torch.equal(drafts, base.argmax(-1))
+            true_prev = seq.tokens[p:p + k]
+            torch.testing.assert_close(r.first_logits[i], model.teacher_forced(base, true_prev),
+                                       atol=ATOL, rtol=ATOL)
+            if not r.keep[i]:
+                continue
+            a, j = int(r.accepted[i]), int(r.keep[:i].sum())
+            brute = brute_rejected(decoder, seq.tokens, p, drafts, a)
+            torch.testing.assert_close(r.rejected.states[r.rejected.anchor == j], brute,
+                                       atol=ATOL, rtol=ATOL)
+            p2 = p + a + 1
+            want = model.draft_logits(fused[:p2], torch.arange(p2), int(seq.tokens[p2]), p2,
+                                      k, model.fuse(brute), torch.arange(p + a + 1, p + k + 1))
+            torch.testing.assert_close(r.second_logits[j],
+                                       model.teacher_forced(want, seq.tokens[p2:p2 + k]),
+                                       atol=ATOL, rtol=ATOL)
+    assert steered > 0, "the head should change some drafts"
+
+
+def test_teacher_forced_greedy_acceptance_equals_left_to_right_acceptance(tiny_markov) -> None:
+    """Why the recipes may train and evaluate teacher-forced: a slot counts only while
+    every earlier draft was right, and then the drafted previous token is the true one."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(400, BLOCK - 1, 256, generator=gen)
+    tokens = torch.randint(0, 256, (400, BLOCK), generator=gen)
+    with torch.no_grad():
+        drafts = tiny_markov.draft_tokens(base, tokens[:, 0])
+        labels = tokens[:, 1:].clone()
+        # make long accepted prefixes common: copy a random prefix of the drafts
+        cut = torch.randint(0, BLOCK, (400,), generator=gen)
+        keep = torch.arange(BLOCK - 1)[None, :] < cut[:, None]
+        labels[keep] = drafts[keep]
+        prev = torch.cat([tokens[:, :1], labels[:, :-1]], dim=1)
+        forced = tiny_markov.teacher_forced(base, prev).argmax(-1)
+    assert torch.equal(accepted_length(forced, labels), accepted_length(drafts, labels))
+    assert (accepted_length(drafts, labels) >= 3).sum() > 50
+
+
+def test_fresh_markov_head_starts_as_the_drafter_it_extends_and_learns(tiny) -> None:
+    """--markov-rank on a trained drafter: same logits at step 0, then the head's w2
+    learns through the sampled softmax and the teacher-forced loss falls."""
+    target, model0 = tiny
+    decoder = decoder_for(target)
+    cfg = {**vars(model0.config), "markov_rank": 0, "vocab_size": 256,
+           "target_layer_ids": list(model0.config.target_layer_ids)}
+    cfg2, state = attach_markov_head(cfg, model0.checkpoint_state(), 8, seed=0)
+    assert cfg2["markov_rank"] == 8
+    model = TorchDrafter(DrafterConfig(**{**cfg2, "target_layer_ids": LAYER_IDS}),
+                         model0.embed)
+    model.load_checkpoint_state(state)
+    seq = sequence(decoder, 40, seed=12)
+    anchors = torch.arange(3, 33, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(block_logits(model, seq, anchors)[0],
+                                   block_logits(model0, seq, anchors)[0])
+    ids = step_vocab(torch.unique(seq.tokens), 256, 16, torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.markov_head.parameters(), lr=3e-2)
+    w = slot_weights(BLOCK - 1, 4.0)
+
+    def loss() -> torch.Tensor:
+        with restricted_head(model, ids):
+            logits, labels = block_logits(model, seq, anchors)
+        return weighted_block_ce(logits, remap_labels(labels, ids, 256), w)[0]
+
+    before = loss().item()
+    for _ in range(10):
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+    assert loss().item() < 0.9 * before
+    assert model.markov_head.markov_w2.weight.abs().sum() > 0

@@ -35,9 +35,12 @@ from vllm_carryover.server_process import die_with_parent
 SMOLLM2 = CHECKPOINTS.relative_to(REPO) / "smollm2-135m-instruct"
 DEFAULT_ROWS = [f"baseline=dflash:{SMOLLM2 / 'dflash-baseline'}",
                 f"carryover=carryover:{SMOLLM2 / 'carryover'}",
-                f"carryover-off=carryover-off:{SMOLLM2 / 'carryover'}"]
+                f"carryover-off=carryover-off:{SMOLLM2 / 'carryover'}",
+                f"dspark-baseline=carryover-off:{SMOLLM2 / 'dspark-baseline'}",
+                f"dspark-carryover=carryover:{SMOLLM2 / 'dspark-carryover'}"]
 # Ratio columns shown whenever both rows exist (and no --ratio is given).
-DEFAULT_RATIOS = [("carryover", "baseline"), ("carryover", "carryover-off")]
+DEFAULT_RATIOS = [("carryover", "baseline"), ("carryover", "carryover-off"),
+                  ("dspark-carryover", "dspark-baseline"), ("dspark-baseline", "baseline")]
 DRAFTER_KINDS = ("dflash", "carryover", "carryover-off")
 NGRAM_LOOKUP = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
 MAX_MODEL_LEN = 1024
@@ -52,7 +55,9 @@ rows: --row NAME=SPEC (repeatable; the table shows them in this order). SPEC is
   ngram                vLLM's n-gram prompt lookup (min 2, max 4 tokens), K drafts
   dflash:PATH          vLLM's in-tree DFlash on a drafter folder
   carryover:PATH       method "carryover" on a drafter folder, carryover on
-  carryover-off:PATH   the same with "carryover": false (plain DFlash drafting)
+  carryover-off:PATH   the same with "carryover": false (the matched baseline; the
+                       only baseline row for a drafter with a Markov head, which
+                       in-tree dflash cannot serve)
   {JSON}               any speculative_config; num_speculative_tokens defaults to -k
 NAME= may be left out; the row is then named after SPEC's kind (none, ngram, ...).
 Relative paths are taken from the current directory, else from the repository.
@@ -60,7 +65,8 @@ Default rows:
   """ + "\n  ".join(DEFAULT_ROWS) + """
 
 ratio columns: --ratio NUM/DEN (repeatable) adds tau[NUM] / tau[DEN]; default:
-  carryover/baseline and carryover/carryover-off, where both rows exist.
+  carryover/baseline, carryover/carryover-off, dspark-carryover/dspark-baseline and
+  dspark-baseline/baseline, where both rows exist.
 The "average" row is the unweighted mean over categories; the JSON also holds each
 row's pooled totals and vLLM's raw counters.
 
