@@ -1,6 +1,6 @@
 """Soak: `vllm serve` with carryover under load, aborts and preemption stays correct.
 
-100 streamed greedy completions at concurrency 32 against one server, with
+64 streamed greedy completions at concurrency 32 against one server, with
 random prompt and output lengths; 20% are aborted by the client mid-stream
 (after a warm-up of 96 requests of the same mix). The
 KV cache is small enough that the scheduler must preempt, and the proposer
@@ -29,7 +29,7 @@ from engine_runner import run_engine
 from vllm_carryover.server_process import VllmServer
 from vllm_carryover.slot_table import ENV_CHECK
 
-NUM_REQUESTS = 100
+NUM_REQUESTS = 64
 CONCURRENCY = 32
 ABORT_FRACTION = 0.2
 WARMUP_REQUESTS = 96
@@ -40,7 +40,7 @@ MAX_MODEL_LEN = 512
 # vLLM's CPU engine itself grows by ~1 MB per request while it meets new prompt
 # shapes, with carryover on and off alike, and stays flat when shapes repeat
 # (`python -m benchmarks.memory_offline`; README, Reliability). The warm-up runs the
-# soak's own mix; the bound leaves room for that engine growth over 100 requests.
+# soak's own mix; the bound leaves room for that engine growth over the soak.
 MEMORY_DRIFT = 0.10
 
 
