@@ -48,12 +48,11 @@ class CarryoverProposer(DFlashProposer):
         self.check_slots = checks_enabled()
         if self.check_slots:
             logger.info("Carryover slot ownership is checked every round (%s=1).", ENV_CHECK)
-        logger.info("Carryover drafting (%s drafter): context from rejected states is %s.",
-                    "semi-autoregressive" if self._markov_rank() else "parallel",
+        logger.info("Carryover drafting: context from rejected states is %s.",
                     "on" if self.settings.enabled else "off (matched baseline)")
-
-    def _markov_rank(self) -> int:
-        return getattr(self.draft_model_config.hf_config, "markov_rank", 0) or 0
+        if markov := getattr(self.draft_model_config.hf_config, "markov_rank", 0):
+            logger.info("Semi-autoregressive drafter: a Markov head of rank %d drafts each "
+                        "block left to right.", markov)
 
     @override
     def propose(self, *args: Any, **kwargs: Any) -> torch.Tensor:
