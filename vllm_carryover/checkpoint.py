@@ -50,11 +50,6 @@ class DrafterConfig:
     causal: bool
     markov_rank: int = 0  # 0: DFlash-style parallel drafter; r > 0: with a Markov head
 
-    @property
-    def variant(self) -> str:
-        return f"semi-autoregressive (Markov head, rank {self.markov_rank})" \
-            if self.markov_rank else "parallel (DFlash-style)"
-
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> DrafterConfig:
         dflash = cfg.get("dflash_config") or {}
