@@ -25,17 +25,15 @@ def default_out_dir(benchmark: str) -> Path:
 
 
 DTYPES = ("bfloat16", "float16", "float32")
-DTYPE_HELP = ("default: bfloat16 on a GPU, float32 on a CPU, where bf16 matmuls run at a "
-              "fixed rate per row (8 verified rows cost 8x one) and fp32 ones batch better")
+DTYPE_HELP = ("default: the machine's fastest: bfloat16 on a GPU or a CPU with native bf16 "
+              "matmuls (AVX512-BF16, AMX), float32 on other CPUs, where bf16 is emulated")
 
 
 def default_dtype() -> str:
-    """bfloat16 where there is a GPU; float32 on CPUs without fast bf16 matmuls (on this
-    project's development CPU a bf16 linear layer costs 8x as much for 8 rows as for 1,
-    an fp32 one 3.5x), which is what decides whether verifying drafts can pay."""
-    import torch
+    """The dtype a user would serve in: the machine's fastest (`vllm_carryover.dtype`)."""
+    from vllm_carryover.dtype import fastest_dtype
 
-    return "bfloat16" if torch.cuda.is_available() else "float32"
+    return fastest_dtype()
 
 
 def cpu_model() -> str:

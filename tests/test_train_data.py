@@ -1,17 +1,23 @@
-"""`python -m train data`: four categories, disjoint splits, Ray-sharded generation."""
+"""`python -m train data`: five categories, disjoint splits, compact resumable shards."""
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-import torch
+import numpy as np
+import pytest
 
-from train.prompts import CATEGORIES, EVAL_BOOKS, build_prompts
+from train import dataset_store as store
+from train.data import load_samples
+from train.prompts import CATEGORIES, EVAL_BOOKS, Prompt, build_prompts, dedupe, split_of
 from train.ray_shards import split_even
+from train.self_prompts import usable
 from train.sword_bible import verse_pairs
 
 
@@ -26,20 +32,85 @@ def test_bible_verses_are_aligned_and_tagged_by_book() -> None:
     assert all("<" not in p.english and "<" not in p.spanish for p in pairs[:2000])
 
 
-def test_train_and_eval_prompts_share_no_split_unit() -> None:
-    prompts = build_prompts(num_train=12, num_eval=4, seed=3)
+@pytest.fixture(scope="module")
+def prompts() -> list[Prompt]:
+    return build_prompts(num_train=12, num_eval=4, seed=3)
+
+
+def test_train_and_eval_prompts_share_no_split_unit(prompts: list[Prompt]) -> None:
     for cat in CATEGORIES:
         for split, n in (("train", 12), ("heldout", 4)):
             assert sum(p.category == cat and p.split == split for p in prompts) == n, (cat, split)
     train = {p.group for p in prompts if p.split == "train"}
     heldout = {p.group for p in prompts if p.split == "heldout"}
     assert not train & heldout
-    books = {p.group.removeprefix("translation-") for p in prompts
-             if p.category == "translation"}
-    assert {b for b in books if b in EVAL_BOOKS} == {
-        p.group.removeprefix("translation-") for p in prompts
-        if p.category == "translation" and p.split == "heldout"}
+    bible = [p for p in prompts if p.group.removeprefix("translation-") in verse_books()]
+    assert bible, "no Bible prompts drawn"
+    assert all((p.split == "heldout") == (p.group.removeprefix("translation-") in EVAL_BOOKS)
+               for p in bible)
+    for p in prompts:  # every other unit's split is the hash rule's
+        if p not in bible:
+            assert p.split == split_of(p.group) or p.group.startswith(("math-", "general-")), p
     assert build_prompts(12, 4, 3) == prompts  # seeded: the same data every time
+
+
+def verse_books() -> set[str]:
+    return {v.book for v in verse_pairs()}
+
+
+def test_split_is_a_function_of_the_unit_alone() -> None:
+    units = [f"unit-{i}" for i in range(20_000)]
+    splits = [split_of(u) for u in units]
+    assert splits == [split_of(u) for u in units]
+    assert 0.10 < splits.count("heldout") / len(units) < 0.14
+
+
+def test_prompts_are_deduplicated_by_text(prompts: list[Prompt]) -> None:
+    keys = [" ".join(p.messages[-1]["content"].lower().split()) for p in prompts]
+    assert len(set(keys)) == len(keys)
+    a = Prompt("a", "u1", "chat", "train", [{"role": "user", "content": "Hello  there"}])
+    b = Prompt("b", "u2", "chat", "train", [{"role": "user", "content": "hello there"}])
+    c = Prompt("c", "u3", "chat", "train", [{"role": "user", "content": "hello you"}])
+    assert dedupe([a, b, c]) == [a, c]
+
+
+def test_self_written_prompts_are_filtered() -> None:
+    assert usable("Can you provide me with a checklist for a wedding ceremony?")
+    assert not usable("Hi")  # too short
+    assert not usable("the cat the cat the cat the cat the cat the cat the cat")  # a loop
+    assert not usable("¿Puedes ayudarme con la traducción de este párrafo, señor?")  # not English
+    assert not usable("1234 5678 9012 3456 7890 1234 5678")  # not words
+
+
+def rows_with(vocab: int, n: int = 7) -> list[dict]:
+    rng = np.random.default_rng(vocab)
+    return [{"id": f"r{i}", "group": f"g{i % 3}", "category": ("chat", "math")[i % 2],
+             "split": ("train", "heldout")[i % 3 == 0],
+             "prompt_ids": rng.integers(0, vocab, rng.integers(1, 30)).tolist(),
+             "response_ids": rng.integers(0, vocab, rng.integers(0, 20)).tolist()}
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("vocab,dtype", [(49_152, np.uint16), (151_936, np.uint32)])
+def test_compact_format_round_trips(tmp_path: Path, vocab: int, dtype: type) -> None:
+    rows = rows_with(vocab)
+    manifest = store.write_dataset(tmp_path, rows, {"target": "t"})
+    assert load_samples(tmp_path) == rows
+    assert load_samples(tmp_path, "heldout") == [r for r in rows if r["split"] == "heldout"]
+    with np.load(tmp_path / store.PROMPTS) as z:
+        assert z["tokens"].dtype == dtype
+    assert manifest["samples"] == len(rows)
+    assert manifest["response_tokens"] == sum(len(r["response_ids"]) for r in rows)
+    assert manifest["per_category"]["chat"]["train"]["prompts"] == sum(
+        r["category"] == "chat" and r["split"] == "train" for r in rows)
+    for name, sha in manifest["files"].items():
+        assert store.file_sha256(tmp_path / name) == sha
+
+
+def test_a_half_written_shard_counts_as_missing(tmp_path: Path) -> None:
+    store.write_dataset(tmp_path, rows_with(100), {"target": "t"})
+    (tmp_path / store.RESPONSES / "shard-00001.tmp").write_bytes(b"cut off by a kill")
+    assert store.done_shards(tmp_path) == [0]
 
 
 def test_split_even_keeps_order_and_sizes() -> None:
@@ -47,28 +118,48 @@ def test_split_even_keeps_order_and_sizes() -> None:
     assert split_even([1], 4) == [[1]]
 
 
-def test_data_command_shards_generation_and_states_over_two_ray_workers(
+def data_cmd(smollm2: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "train", "data", "--target", str(smollm2), "--out", str(out),
+            "--num-train", "2", "--num-eval", "1", "--categories", "chat", "math",
+            "translation", "--max-tokens", "48", "--shard-size", "1", "--dtype", "float32",
+            "--max-num-seqs", "8", "--kv-cache-gib", "0.25", *extra]
+
+
+def test_killed_generation_resumes_to_the_uninterrupted_result(
         smollm2: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "VLLM_CARRYOVER_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "train", "data", "--target", str(smollm2), "--name", "tiny",
-           "--num-train", "2", "--num-eval", "1", "--max-tokens", "8", "--layers", "1", "3",
-           "--workers", "2", "--cpus-per-worker", "1"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    folder = tmp_path / "train" / "data" / "tiny"
-    manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["samples"] == 12 and manifest["heldout"] == 4
-    assert set(manifest["per_category"]) == set(CATEGORIES)
-    rows = [json.loads(x) for x in (folder / "samples.jsonl").read_text().splitlines()]
-    assert all(1 <= len(r["response_ids"]) <= 8 for r in rows)
-    # both shards ran (one vLLM engine each) and the states came back in row order
-    assert proc.stderr.count("_generate_shard pid=") > 0
-    assert len({line.split("pid=")[1].split(")")[0] for line in proc.stderr.splitlines()
-                if "_generate_shard pid=" in line}) == 2
-    (states_file,) = folder.glob("states-*.pt")
-    saved = torch.load(states_file)
-    assert saved["layer_ids"] == [1, 3]
-    assert saved["lengths"] == [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
-    assert all(s.shape == (n, 2 * 576) and s.dtype == torch.bfloat16
-               for s, n in zip(saved["states"], saved["lengths"], strict=True))
+    """Run A answers everything on two Ray workers (one engine each). Run B starts from
+    A's committed prompt table alone (as a fresh clone would), is SIGKILLed once its
+    first shard is on disk, and is run again: it answers only the missing shards and
+    ends with exactly A's responses."""
+    env = {**os.environ, "VLLM_CARRYOVER_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    a, b = tmp_path / "a", tmp_path / "b"
+    proc = subprocess.run(data_cmd(smollm2, a, "--workers", "2", "--cpus-per-worker", "1"),
+                          env=env, capture_output=True, text=True, timeout=900, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert len({line.split("Answerer pid=")[1].split(")")[0] for line in log.splitlines()
+                if "Answerer pid=" in line}) == 2  # both workers ran an engine
+    full = load_samples(a)
+    manifest = store.load_manifest(a)
+    assert manifest["shards_done"] == manifest["shards_total"] == len(full) == 9
+    assert all(1 <= len(r["response_ids"]) <= 48 for r in full)
+
+    b.mkdir()
+    for name in (store.PROMPTS, store.MANIFEST):
+        shutil.copy(a / name, b / name)
+    shutil.rmtree(b / store.RESPONSES, ignore_errors=True)
+    killed = subprocess.Popen(data_cmd(smollm2, b), env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not store.done_shards(b) and time.monotonic() < deadline and killed.poll() is None:
+        time.sleep(0.05)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    first = store.done_shards(b)
+    assert 1 <= len(first) < 9, first
+    resumed = subprocess.run(data_cmd(smollm2, b), env=env, capture_output=True, text=True,
+                             timeout=900, check=False)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"{len(first)}/9 shards already answered" in resumed.stdout
+    assert load_samples(b) == full
+    assert store.load_manifest(b)["sha256"] == manifest["sha256"]

@@ -62,5 +62,7 @@ def write_cached_dataset(target: Path, name: str, rows: list[dict], layer_ids: l
     decoder = truncated_decoder(str(target), max(layer_ids))
     seqs = [r["prompt_ids"] + r["response_ids"] for r in rows]
     states = [s.to(torch.bfloat16).clone() for s in aux_states(decoder, seqs, layer_ids)]
+    cache = states_file(folder, manifest["sha256"], layer_ids)
+    cache.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"layer_ids": list(layer_ids), "lengths": [len(s) for s in seqs],
-                "states": states}, states_file(folder, manifest["sha256"], layer_ids))
+                "states": states}, cache)

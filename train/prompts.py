@@ -1,31 +1,48 @@
-"""Training and evaluation prompts in four categories, from text available offline.
+"""Training and evaluation prompts in five categories, from text available offline.
 
-| category | source | split unit (train and eval never share one) |
-| --- | --- | --- |
-| chat | Chit Chat Challenge conversations (PyPI `chitchat-dataset`) | conversation |
-| math | GSM8K-style problems (`reasoning-gym` `gsm_symbolic`) | generator seed |
-| code | functions of the Python standard library | module file |
-| translation | KJV / Reina-Valera verses, en->es and es->en (Debian SWORD) | Bible book |
+- chat: Chit Chat Challenge conversations (PyPI `chitchat-dataset`), first turn
+  or three turns; unit: conversation.
+- code: documented functions of the standard library and the installed
+  packages, to explain, write, test, review or document; unit: module file.
+- math: `reasoning-gym` word problems (`gsm_symbolic`, half) and arithmetic
+  generators; unit: generator + seed.
+- translation: Bible verses en<->es (Debian SWORD, unit: book), software
+  messages en<->es/fr/de/it/pt (gettext catalogs, unit: catalog), chat lines
+  (unit: conversation) and docstrings (unit: module file) into es/fr/de.
+- general: summaries of and questions about long passages (Bible passages,
+  package READMEs; 1-2k tokens), writing tasks, `reasoning-gym` logic and
+  string puzzles; units: book, package, generator + seed.
 
+Prompts the target writes itself (Magpie-style, `train.self_prompts`) join the
+general category in `python -m train data`.
+
+Train and held-out prompts never share a unit: `split_of` decides from a hash of
+the unit alone (whole Bible books for the Bible, `EVAL_BOOKS`), so the same unit
+lands in the same split in every category, on every machine, for every count.
 Only the prompts come from these sources: the responses are the target's own
-(`train.data.generate`), so the drafter learns the target's distribution.
+(`train.data`), so the drafter learns the target's distribution.
 """
 
 from __future__ import annotations
 
-import ast
+import hashlib
 import random
-import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-CATEGORIES = ("chat", "code", "math", "translation")
+CATEGORIES = ("chat", "code", "math", "translation", "general")
 SPLITS = ("train", "heldout")
-# translation: whole books kept for evaluation (small books from both testaments)
+# translation and passages: whole books kept for evaluation (both testaments)
 EVAL_BOOKS = ("Ruth", "Jonah", "Mark", "Phil", "Jas")
-_MATH_SEEDS = {"train": 1001, "heldout": 2002}
-_CODE_EVAL_FRACTION = 0.15
+HELDOUT_FRACTION = 0.12
+_SEEDS = {"train": 1001, "heldout": 2002}
+_MATH_GENERATORS = ("gsm_symbolic", "basic_arithmetic", "chain_sum", "leg_counting",
+                    "decimal_arithmetic", "fraction_simplification", "gcd", "lcm",
+                    "prime_factorization", "calendar_arithmetic", "time_intervals", "products")
+_REASONING_GENERATORS = ("syllogism", "knights_knaves", "aiw", "letter_counting",
+                         "number_sorting", "word_sorting", "spell_backward", "caesar_cipher",
+                         "sentence_reordering", "propositional_logic", "base_conversion",
+                         "word_sequence_reversal")
 
 
 @dataclass
@@ -39,138 +56,326 @@ class Prompt:
     messages: list[dict[str, str]]
 
 
+def split_of(unit: str) -> str:
+    """The split of a unit: held out for a fixed hash-chosen `HELDOUT_FRACTION` of units."""
+    h = int.from_bytes(hashlib.sha256(unit.encode()).digest()[:8], "big")
+    return "heldout" if h / 2**64 < HELDOUT_FRACTION else "train"
+
+
 def _user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
-def chat_prompts(counts: dict[str, int], rnd: random.Random) -> list[Prompt]:
-    """First turns (sometimes three turns) of conversations; eval conversations are
-    drawn from the end of a seeded shuffle, train ones from its start."""
+class _Quota:
+    """Collects distinct prompts per split until each has its `counts[split]`."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.left = dict(counts)
+        self.out: list[Prompt] = []
+        self.seen: set[str] = set()
+
+    def full(self, split: str | None = None) -> bool:
+        return (self.left.get(split, 0) <= 0 if split else
+                all(v <= 0 for v in self.left.values()))
+
+    def add(self, p: Prompt) -> None:
+        key = text_key(p)
+        if not self.full(p.split) and key not in self.seen:
+            self.seen.add(key)
+            self.out.append(p)
+            self.left[p.split] -= 1
+
+
+def _round_robin(*streams: Iterator[Prompt]) -> Iterator[Prompt]:
+    """Interleave several prompt streams until all are exhausted (a mix of sources)."""
+    live = list(streams)
+    while live:
+        for s in list(live):
+            try:
+                yield next(s)
+            except StopIteration:
+                live.remove(s)
+
+
+def _fill(counts: dict[str, int], streams: list[Iterator[Prompt]]) -> list[Prompt]:
+    q = _Quota(counts)
+    for p in _round_robin(*streams):
+        q.add(p)
+        if q.full():
+            break
+    return q.out
+
+
+# ---- chat -------------------------------------------------------------------------------
+
+
+def _conversations(rnd: random.Random) -> list[tuple[str, list[str]]]:
     import chitchat_dataset
 
     data = chitchat_dataset.Dataset()
     keys = sorted(data)
     rnd.shuffle(keys)
-    order = {"train": keys, "heldout": keys[::-1]}
-    out: list[Prompt] = []
-    used: set[str] = set()
-    for split, n in counts.items():
-        got = 0
-        for key in order[split]:
-            if got == n:
-                break
-            if key in used:
-                continue
-            turns = [" ".join(u["text"] for u in m).strip() for m in data[key]["messages"]]
-            turns = [t for t in turns if t]
-            if not turns or len(turns[0]) > 400:
-                continue
-            if len(turns) >= 3 and rnd.random() < 0.3 and all(len(t) < 300 for t in turns[:3]):
+    out = []
+    for key in keys:
+        turns = [" ".join(u["text"] for u in m).strip() for m in data[key]["messages"]]
+        turns = [t for t in turns if t]
+        if turns and len(turns[0]) <= 400:
+            out.append((f"chat-{key}", turns))
+    return out
+
+
+def chat_prompts(counts: dict[str, int], rnd: random.Random) -> list[Prompt]:
+    """First turns, or three turns (multi-turn chat), of whole conversations."""
+    def stream() -> Iterator[Prompt]:
+        for unit, turns in _conversations(rnd):
+            if len(turns) >= 3 and rnd.random() < 0.35 and all(len(t) < 300 for t in turns[:3]):
                 msgs = [{"role": r, "content": t}
                         for r, t in zip(("user", "assistant", "user"), turns[:3], strict=True)]
             else:
                 msgs = _user(turns[0])
-            used.add(key)
-            out.append(Prompt(f"chat-{key}", f"chat-{key}", "chat", split, msgs))
-            got += 1
+            yield Prompt(unit, unit, "chat", split_of(unit), msgs)
+    return _fill(counts, [stream()])
+
+
+# ---- code -------------------------------------------------------------------------------
+
+_CODE_TASKS: tuple[Callable[[str, str, str], str], ...] = (
+    lambda code, sig, doc: f"Explain what this Python function does:\n\n```python\n{code}\n```",
+    lambda code, sig, doc: f"Write a Python function `{sig}`. {doc}",
+    lambda code, sig, doc: ("Write pytest unit tests for this function:\n\n"
+                            f"```python\n{code}\n```"),
+    lambda code, sig, doc: ("Review this Python code: point out bugs, edge cases and possible "
+                            f"improvements.\n\n```python\n{code}\n```"),
+    lambda code, sig, doc: ("Add type hints and a clear docstring to this function:\n\n"
+                            f"```python\n{code}\n```"),
+    lambda code, sig, doc: f"How would I implement `{sig}` in Python? It should: {doc}",
+)
+
+
+def code_prompts(counts: dict[str, int], rnd: random.Random) -> list[Prompt]:
+    """Requests about documented functions of the standard library and installed
+    packages, at most 3 functions per module file, files in seeded order."""
+    from train.text_sources import documented_functions, python_files
+
+    files = python_files()
+    rnd.shuffle(files)
+
+    def stream() -> Iterator[Prompt]:
+        for unit, path in files:
+            for fn in documented_functions(unit, path):
+                sig = fn.source.split(":\n", 1)[0].removeprefix("def ")
+                text = rnd.choice(_CODE_TASKS)(fn.source, sig, " ".join(fn.doc.split()))
+                group = f"code-{unit}"
+                yield Prompt(f"{group}-{fn.name}", group, "code", split_of(group), _user(text))
+    return _fill(counts, [stream()])
+
+
+# ---- math and reasoning puzzles -----------------------------------------------------------
+
+
+def _gym_stream(name: str, category: str, split: str, rnd: random.Random, size: int,
+                suffix: tuple[str, ...]) -> Iterator[Prompt]:
+    """Questions of one reasoning-gym generator; the seed is the split's."""
+    import reasoning_gym
+
+    seed = _SEEDS[split]
+    try:
+        items = reasoning_gym.create_dataset(name, size=size, seed=seed)
+    except (KeyError, ValueError):  # a generator this reasoning-gym does not have
+        return
+    unit = f"{category}-{name}-seed{seed}"
+    for i, item in enumerate(items):
+        yield Prompt(f"{unit}-{i}", unit, category, split,
+                     _user(item["question"].strip() + rnd.choice(suffix)))
+
+
+def _gym(counts: dict[str, int], rnd: random.Random, names: tuple[str, ...], category: str,
+         suffix: tuple[str, ...], first_share: float = 0.0) -> list[Prompt]:
+    """A mix of generators; the first one gets `first_share` of the prompts if set."""
+    out: list[Prompt] = []
+    for split, n in counts.items():
+        if n <= 0:  # generators refuse size 0
+            continue
+        weights = [1] * len(names)
+        if first_share:
+            weights[0] = max(1, round(first_share * (len(names) - 1) / (1 - first_share)))
+        per = n * max(weights) // sum(weights) + 2
+        streams = [_gym_stream(name, category, split, rnd, per, suffix) for name in names]
+        out += _fill({split: n}, [s for s, w in zip(streams, weights, strict=True)
+                                  for _ in range(w)])
     return out
 
 
 def math_prompts(counts: dict[str, int], rnd: random.Random) -> list[Prompt]:
-    """GSM8K-style word problems; train and eval come from different generator seeds."""
-    import reasoning_gym
-
-    out: list[Prompt] = []
-    for split, n in counts.items():
-        if n == 0:  # the generator refuses size 0
-            continue
-        seed = _MATH_SEEDS[split]
-        ds = reasoning_gym.create_dataset("gsm_symbolic", size=n, seed=seed)
-        for i, item in enumerate(ds):
-            text = item["question"].strip()
-            if rnd.random() < 0.5:
-                text += " Explain step by step."
-            out.append(Prompt(f"math-{seed}-{i}", f"math-seed{seed}", "math", split,
-                              _user(text)))
-    return out
+    """Word problems (half `gsm_symbolic`) and arithmetic; the split is the generator seed."""
+    return _gym(counts, rnd, _MATH_GENERATORS, "math",
+                ("", " Explain step by step.", " Show your work."), first_share=0.5)
 
 
-def _stdlib_functions(path: Path) -> list[tuple[str, str, str]]:
-    """(name, source, first docstring line) of documented top-level functions."""
-    try:
-        src = path.read_text(encoding="utf-8")
-        tree = ast.parse(src)
-    except (SyntaxError, UnicodeDecodeError, ValueError):
-        return []
-    out = []
-    for node in tree.body:
-        if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-            continue
-        doc = ast.get_docstring(node)
-        code = ast.get_source_segment(src, node)
-        if doc and code and 150 <= len(code) <= 1200:
-            out.append((node.name, code, doc.strip().splitlines()[0]))
-    return out
-
-
-def code_prompts(counts: dict[str, int], rnd: random.Random) -> list[Prompt]:
-    """"Explain this function" and "write a function that ..." requests over standard
-    library functions; a seeded 15% of the module files are eval-only."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in stdlib.rglob("*.py")
-                   if not {"test", "tests", "idlelib", "site-packages"} & set(p.parts))
-    rnd.shuffle(files)
-    n_eval = max(1, int(len(files) * _CODE_EVAL_FRACTION))
-    by_split = {"heldout": files[:n_eval], "train": files[n_eval:]}
-    out: list[Prompt] = []
-    for split, n in counts.items():
-        funcs: list[tuple[Path, str, str, str]] = []
-        for f in by_split[split]:  # at most 3 per file: many modules, parsed lazily
-            found = _stdlib_functions(f)
-            funcs += [(f, *fn) for fn in rnd.sample(found, min(3, len(found)))]
-            if len(funcs) >= 3 * n:
-                break
-        rnd.shuffle(funcs)
-        for file, name, code, doc in funcs[:n]:
-            module = str(file.relative_to(stdlib))
-            if rnd.random() < 0.5:
-                text = f"Explain what this Python function does:\n\n```python\n{code}\n```"
-            else:
-                sig = code.split(":\n", 1)[0].removeprefix("def ")
-                text = f"Write a Python function `{sig}`. {doc}"
-            out.append(Prompt(f"code-{module}-{name}", f"code-{module}", "code", split,
-                              _user(text)))
-    return out
+# ---- translation --------------------------------------------------------------------------
 
 
 def translation_prompts(counts: dict[str, int], rnd: random.Random) -> list[Prompt]:
-    """Single verses to translate, English to Spanish or back; eval books are
-    `EVAL_BOOKS`, never seen in training."""
+    """Bible verses en<->es, software messages en<->five languages, chat lines and
+    docstrings into Spanish, French or German, interleaved."""
     from train.sword_bible import verse_pairs
+    from train.text_sources import LANGUAGES, message_catalogs
 
-    pairs = [p for p in verse_pairs() if len(p.english) <= 300 and len(p.spanish) <= 300]
-    out: list[Prompt] = []
-    for split, n in counts.items():
-        pool = [p for p in pairs if (p.book in EVAL_BOOKS) == (split == "heldout")]
-        for v in rnd.sample(pool, min(n, len(pool))):
+    verses = [p for p in verse_pairs() if len(p.english) <= 300 and len(p.spanish) <= 300]
+    rnd.shuffle(verses)
+    messages = message_catalogs()
+    rnd.shuffle(messages)
+
+    def bible() -> Iterator[Prompt]:
+        for v in verses:
             text = (f"Translate to Spanish: {v.english}" if rnd.random() < 0.5
                     else f"Translate to English: {v.spanish}")
-            out.append(Prompt(f"translation-{v.testament}-{v.index}",
-                              f"translation-{v.book}", "translation", split, _user(text)))
+            split = "heldout" if v.book in EVAL_BOOKS else "train"
+            yield Prompt(f"translation-{v.testament}-{v.index}", f"translation-{v.book}",
+                         "translation", split, _user(text))
+
+    def software() -> Iterator[Prompt]:
+        seen: set[str] = set()
+        for domain, lang, en, tr in messages:
+            if en in seen:
+                continue
+            seen.add(en)
+            text = (f"Translate this software message to {LANGUAGES[lang]}: {en}"
+                    if rnd.random() < 0.6 else f"Translate to English: {tr}")
+            unit = f"translation-catalog-{domain}"
+            yield Prompt(f"{unit}-{lang}-{len(seen)}", unit, "translation", split_of(unit),
+                         _user(text))
+
+    def chat_lines() -> Iterator[Prompt]:
+        for unit, turns in _conversations(random.Random(rnd.random())):
+            line = max(turns[:4], key=len)
+            if 30 <= len(line) <= 300:
+                lang = rnd.choice(("Spanish", "French", "German"))
+                yield Prompt(f"translation-{unit}", unit, "translation", split_of(unit),
+                             _user(f"Translate to {lang}: {line}"))
+
+    def docstrings() -> Iterator[Prompt]:
+        from train.text_sources import documented_functions, python_files
+
+        files = python_files()
+        rnd.shuffle(files)
+        for unit, path in files:
+            for fn in documented_functions(unit, path, limit=1):
+                doc = " ".join(fn.doc.split())
+                if 40 <= len(doc) <= 400:
+                    lang = rnd.choice(("Spanish", "French", "German"))
+                    yield Prompt(f"translation-doc-{unit}-{fn.name}", f"code-{unit}",
+                                 "translation", split_of(f"code-{unit}"),
+                                 _user(f"Translate this documentation to {lang}: {doc}"))
+
+    return _fill(counts, [bible(), bible(), software(), software(), chat_lines(),
+                          docstrings()])
+
+
+# ---- general ------------------------------------------------------------------------------
+
+_PASSAGE_TASKS = ("Summarize the following passage in a few sentences.",
+                  "What are the main points of this text?",
+                  "Read the text below and list the people, places or things it mentions.",
+                  "Write three questions a reader could answer from this text, with answers.",
+                  "Explain this text to a ten-year-old.")
+_README_TASKS = ("Summarize what this software package does, based on its description.",
+                 "Based on this README, how do I install and start using the package?",
+                 "What problems does this package solve? Answer from the description below.",
+                 "Write a short announcement post for this package from its README.")
+_WRITING_TASKS = ("Write a short story inspired by this line: {x}",
+                  "Write a poem about this: {x}",
+                  "Write an email to a friend about this: {x}",
+                  "Give me five ideas for a blog post related to: {x}",
+                  "Write a product description for a tool that does this: {x}",
+                  "Argue for and against this statement: {x}")
+
+
+def _passages(max_chars: int = 6000, min_chars: int = 3000) -> Iterator[tuple[str, str, str]]:
+    """(unit, id, text) of Bible passages: runs of consecutive verses of one book."""
+    from train.sword_bible import verse_pairs
+
+    book, buf, start = "", [], 0
+    for v in verse_pairs():
+        if v.book != book or sum(len(x) + 1 for x in buf) + len(v.english) > max_chars:
+            if book and sum(len(x) for x in buf) >= min_chars:
+                yield f"translation-{book}", f"{book}-{start}", " ".join(buf)
+            book, buf, start = v.book, [], v.index
+        buf.append(v.english)
+
+
+def general_prompts(counts: dict[str, int], rnd: random.Random) -> list[Prompt]:
+    """Long-passage summaries and questions, writing tasks and logic puzzles."""
+    from train.text_sources import package_readmes
+
+    passages = list(_passages())
+    rnd.shuffle(passages)
+    readmes = package_readmes()
+    rnd.shuffle(readmes)
+
+    def on_passages() -> Iterator[Prompt]:
+        for unit, pid, text in passages:
+            split = "heldout" if unit.removeprefix("translation-") in EVAL_BOOKS else "train"
+            yield Prompt(f"general-passage-{pid}", unit, "general", split,
+                         _user(f"{rnd.choice(_PASSAGE_TASKS)}\n\n{text}"))
+
+    def on_readmes() -> Iterator[Prompt]:
+        for name, _, body in readmes:
+            unit = f"package-{name}"
+            yield Prompt(f"general-readme-{name}", unit, "general", split_of(unit),
+                         _user(f"{rnd.choice(_README_TASKS)}\n\n{body[:6000]}"))
+
+    def writing() -> Iterator[Prompt]:
+        for unit, turns in _conversations(random.Random(rnd.random())):
+            if 40 <= len(turns[0]) <= 200:
+                yield Prompt(f"general-writing-{unit}", unit, "general", split_of(unit),
+                             _user(rnd.choice(_WRITING_TASKS).format(x=turns[0])))
+        for name, summary, _ in readmes:
+            if 20 <= len(summary) <= 200:
+                unit = f"package-{name}"
+                yield Prompt(f"general-writing-{name}", unit, "general", split_of(unit),
+                             _user(rnd.choice(_WRITING_TASKS).format(x=summary)))
+
+    out: list[Prompt] = []
+    for split, n in counts.items():
+        n_gym = n // 3
+        puzzles = _gym({split: n_gym}, rnd, _REASONING_GENERATORS, "general",
+                       ("", " Think it through step by step."))
+        rest = _fill({split: n - len(puzzles)}, [on_passages(), on_readmes(), writing(),
+                                                 writing()])
+        out += puzzles + rest
     return out
 
 
 SOURCES: dict[str, Callable[[dict[str, int], random.Random], list[Prompt]]] = {
     "chat": chat_prompts, "code": code_prompts, "math": math_prompts,
-    "translation": translation_prompts}
+    "translation": translation_prompts, "general": general_prompts}
 
 
 def build_prompts(num_train: int, num_eval: int, seed: int,
                   categories: tuple[str, ...] = CATEGORIES) -> list[Prompt]:
-    """`num_train` + `num_eval` prompts per category, each split from its own units."""
+    """Up to `num_train` + `num_eval` prompts per category (fewer where a source runs
+    out), each split from its own units, duplicates removed, in seeded order."""
     out: list[Prompt] = []
     for cat in categories:
         out += SOURCES[cat]({"train": num_train, "heldout": num_eval},
                             random.Random(f"{seed}-{cat}"))
     random.Random(seed).shuffle(out)
+    return dedupe(out)
+
+
+def text_key(p: Prompt) -> str:
+    """What makes two prompts the same: their messages, case and whitespace ignored."""
+    return " ".join("\n".join(m["content"] for m in p.messages).lower().split())
+
+
+def dedupe(prompts: list[Prompt]) -> list[Prompt]:
+    """The first prompt of each distinct text."""
+    seen: set[str] = set()
+    out = []
+    for p in prompts:
+        key = text_key(p)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
     return out

@@ -10,7 +10,8 @@ shard is one Ray task, so a model is loaded once per shard, not per item.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from tqdm import tqdm
@@ -43,15 +44,7 @@ def map_shards(fn: Callable[..., list[R]], items: Sequence[T], *, workers: int,
 
     if not items:
         return []
-    started = not ray.is_initialized()
-    if started:
-        # Ray starts workers at nice 15; a local run's shards are the main work
-        os.environ.setdefault("RAY_worker_niceness", "0")
-        local = {} if address else {"num_cpus": workers * cpus_per_worker}
-        ray.init(address=address, include_dashboard=False, log_to_driver=True,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cpus_per_worker),
-                                           **_forwarded_env()}}, **local)
-    try:
+    with ray_session(workers, cpus_per_worker, address):
         task = ray.remote(num_cpus=cpus_per_worker)(fn)
         shards = split_even(items, workers)
         refs = [task.remote(s, **kwargs) for s in shards]
@@ -63,9 +56,31 @@ def map_shards(fn: Callable[..., list[R]], items: Sequence[T], *, workers: int,
                 results[done[0]] = ray.get(done[0])
                 bar.update(1)
         return [r for ref in refs for r in results[ref]]
+
+
+@contextmanager
+def ray_session(workers: int, cpus_per_worker: int, address: str | None = None
+                ) -> Iterator[None]:
+    """Ray for the block: a local instance sized for `workers` tasks (started and shut
+    down here), the cluster at `address`, or the session already running."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    # Ray starts workers at nice 15; a local run's shards are the main work
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    local = {} if address else {"num_cpus": workers * cpus_per_worker}
+    # vLLM's CPU worker binds to one core and reserves the rest for its scheduler
+    # unless told otherwise; a worker owns its cores (OMP_NUM_THREADS) here.
+    ray.init(address=address, include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cpus_per_worker),
+                                       "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                                       **_forwarded_env()}}, **local)
+    try:
+        yield
     finally:
-        if started:
-            ray.shutdown()
+        ray.shutdown()
 
 
 def _forwarded_env() -> dict[str, str]:

@@ -3,8 +3,9 @@
 vLLM's `target_layer_ids` entry i is the output of decoder layer i, i.e. the
 transformers `hidden_states[i + 1]` (index 0 is the embedding output). The
 listed layers are concatenated in order along the last dim, which is the `fc`
-input. States are computed once (float32, batched), stored in bfloat16 and cached
-per dataset + layer set.
+input. States are computed once (batched, in the machine's fastest dtype), stored
+in bfloat16 and cached per dataset + layer set in the cache folder, never in the
+dataset folder (a committed dataset holds token ids only).
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ def aux_states(model: Any, batch: list[list[int]], layer_ids: list[int],
     return [feats[b, : len(s)] for b, s in enumerate(batch)]
 
 
-def truncated_decoder(target: str, last_layer: int) -> Any:
-    """The target's decoder stack in float32 (bf16 GEMMs are slower on CPUs without
-    native bf16), without the LM head and the layers after
+def truncated_decoder(target: str, last_layer: int, dtype: torch.dtype = torch.float32
+                      ) -> Any:
+    """The target's decoder stack without the LM head and the layers after
     `last_layer` (their outputs are never drafter features)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
     decoder = model.model
     decoder.layers = decoder.layers[: last_layer + 1]
     decoder.config.num_hidden_layers = last_layer + 1
@@ -52,10 +53,13 @@ def truncated_decoder(target: str, last_layer: int) -> Any:
 def _extract_shard(items: list[tuple[int, list[int]]], target: str, layer_ids: list[int],
                    batch_size: int) -> list[tuple[int, torch.Tensor]]:
     """One Ray task: (index, bf16 aux states) of its sequences, batched by similar length."""
-    model = truncated_decoder(target, max(layer_ids))
+    from vllm_carryover.dtype import fastest_dtype
+
+    model = truncated_decoder(target, max(layer_ids), getattr(torch, fastest_dtype()))
     items = sorted(items, key=lambda x: len(x[1]))
     out: list[tuple[int, torch.Tensor]] = []
-    bar = tqdm(total=sum(len(s) for _, s in items), desc="target states", unit="tok")
+    bar = tqdm(total=sum(len(s) for _, s in items), desc="target states", unit="tok",
+               mininterval=10)
     for start in range(0, len(items), batch_size):
         batch = items[start:start + batch_size]
         states = aux_states(model, [s for _, s in batch], layer_ids)
@@ -96,8 +100,10 @@ def extract(target: str, sequences: list[list[int]], layer_ids: list[int], cache
 
 def states_file(data: Path, manifest_sha256: str, layer_ids: list[int]) -> Path:
     """The cache file of a dataset's aux states for one set of target layers."""
+    from train.paths import cache_root
+
     tag = hashlib.sha256(f"{manifest_sha256}:{list(layer_ids)}".encode()).hexdigest()[:12]
-    return data / f"states-{tag}.pt"
+    return cache_root() / "states" / f"{data.name}-{tag}.pt"
 
 
 def dataset_states(target: str, data: Path, layer_ids: list[int], **ray: Any

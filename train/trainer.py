@@ -117,8 +117,12 @@ class Trainer:
         """Train until --steps, --minutes or --stop-after; True when the run is complete."""
         a, done = self.a, self.done
         log = self._open_log()
-        bar = tqdm(total=a.steps, initial=done.step, desc=self.name, unit="step",
-                   disable=not self.main)
+        # a time budget (--minutes) ends the run long before --steps: show its percent
+        by_time = a.minutes > 0
+        bar = tqdm(total=100 if by_time else a.steps, initial=0 if by_time else done.step,
+                   desc=self.name, unit="%" if by_time else "step", disable=not self.main,
+                   bar_format="{l_bar}{bar}| {n:.0f}/{total} % of the run [{elapsed}<{remaining}"
+                   "{postfix}]" if by_time else None)
         complete, saved_at = True, -1
         for step in range(done.step, a.steps):
             t0 = time.perf_counter()
@@ -139,7 +143,11 @@ class Trainer:
             if log is not None:
                 log.write(json.dumps({"step": step, **metrics, "lr": lr,
                                       "seconds": done.train_seconds}) + "\n")
-                bar.update(1)
+                if by_time:
+                    bar.update(100 * min(1.0, max(done.step / a.steps, done.train_seconds
+                                                  / (a.minutes * 60))) - bar.n)
+                else:
+                    bar.update(1)
                 bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items()} | {"lr": f"{lr:.1e}"})
                 if a.eval_every and done.step % a.eval_every == 0:
                     done.evals.append({"step": done.step, **evaluate()})

@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from train.data import MANIFEST_FILE, SAMPLES_FILE, load_samples
+from train.data import MANIFEST_FILE, load_samples
 from train.paths import CHECKPOINTS, DEFAULT_DATA, REPO, cache_root, data_dir
 from vllm_carryover.server_process import die_with_parent
 
@@ -165,21 +165,34 @@ def speculative_config(spec: str, k: int) -> dict[str, Any] | None:
 def resolve_data(data: str | Path) -> Path:
     """A dataset folder, or the name of one in the training cache."""
     path = Path(data).expanduser()
-    return path.resolve() if (path / SAMPLES_FILE).is_file() else data_dir(str(data))
+    return path.resolve() if (path / MANIFEST_FILE).is_file() else data_dir(str(data))
 
 
-def heldout_prompts(data: Path, categories: list[str] | None,
-                    num_prompts: int) -> dict[str, list[list[int]]]:
-    """The first `num_prompts` held-out prompts of each category (default: all present)."""
+def heldout_prompts(data: Path, categories: list[str] | None, num_prompts: int,
+                    target: str) -> dict[str, list[list[int]]]:
+    """The first `num_prompts` held-out prompts of each category (default: all present).
+
+    Without a dataset at `data`, the held-out prompts are built straight from the
+    corpora (`train.prompts`, the same split rule), as the benchmarks do."""
+    if not (data / MANIFEST_FILE).is_file():
+        from train.data import prompt_token_ids
+        from train.prompts import CATEGORIES, build_prompts
+
+        print(f"no dataset at {data} (`python -m train data --name {data.name}` builds "
+              "one); using held-out prompts built from the corpora", flush=True)
+        wanted = tuple(categories or CATEGORIES)
+        built = build_prompts(0, num_prompts, 0, wanted)
+        return {c: prompt_token_ids(target, [p for p in built if p.category == c])
+                for c in wanted}
     rows = load_samples(data, "heldout")
     present = sorted({r["category"] for r in rows})
-    wanted = categories or present
-    missing = [c for c in wanted if c not in present]
-    if missing or not wanted:
-        raise SystemExit(f"no held-out prompts for categories {missing or wanted} in {data}; "
-                         f"present: {', '.join(present) or 'none'}")
+    wanted_list = categories or present
+    missing = [c for c in wanted_list if c not in present]
+    if missing or not wanted_list:
+        raise SystemExit(f"no held-out prompts for categories {missing or wanted_list} in "
+                         f"{data}; present: {', '.join(present) or 'none'}")
     return {c: [r["prompt_ids"] for r in rows if r["category"] == c][:num_prompts]
-            for c in wanted}
+            for c in wanted_list}
 
 
 def file_sha256(path: Path) -> str:
@@ -421,7 +434,7 @@ def run_eval(rows: list[Row], s: EvalSettings, out: Path,
     ratios = active_ratios([r.name for r in rows], s.ratios)
     if prompts is None:
         assert s.data is not None, "run_eval needs a dataset or prompts"
-        prompts = heldout_prompts(s.data, s.categories, s.num_prompts)
+        prompts = heldout_prompts(s.data, s.categories, s.num_prompts, s.target)
     manifest = s.data / MANIFEST_FILE if s.data is not None else None
     result: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -465,6 +478,9 @@ def _cmd_eval(a: argparse.Namespace) -> None:
         target = str(smollm2_path())
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(a.out) if a.out else cache_root() / "eval" / f"{stamp}.json"
+    from vllm_carryover.dtype import resolve_dtype
+
+    a.dtype = resolve_dtype(a.dtype)
     settings = EvalSettings(target=target, data=resolve_data(a.data),
                             categories=a.categories, num_prompts=a.num_prompts,
                             max_tokens=a.max_tokens, k=a.k, dtype=a.dtype, ratios=a.ratio)
@@ -501,7 +517,9 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
                    help="held-out prompts per category (the first ones)")
     p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="new tokens per prompt")
     p.add_argument("-k", type=int, default=7, help="drafted tokens per step")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="auto: bfloat16 on a GPU or a CPU with native bf16 matmuls, else "
+                   "float32 (default: %(default)s)")
     p.add_argument("--out", metavar="PATH", help="JSON result file (default: "
                    "$VLLM_CARRYOVER_CACHE/train/eval/DATE.json)")
     p.set_defaults(fn=_cmd_eval)

@@ -62,17 +62,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--drafter", type=Path, help="drafter folder (default: the shipped one)")
     p.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 on a GPU or a CPU with native bf16 matmuls, else "
+                   "float32 (default: %(default)s)")
     p.add_argument("--logs", type=Path, help="folder for the server logs (default: temp)")
     a = p.parse_args(argv)
 
+    from vllm_carryover.dtype import resolve_dtype
     from vllm_carryover.testbed import smollm2_path
 
     target = smollm2_path()
+    a.dtype = resolve_dtype(a.dtype)
     logs = a.logs or Path(tempfile.mkdtemp(prefix="carryover-demo-"))
     drafter = a.drafter or default_drafter(target, logs)
     spec = {"method": "carryover", "model": str(drafter), "num_speculative_tokens": a.k}
-    print(f"target : {target}\ndrafter: {drafter}\nlogs   : {logs}\n")
+    print(f"target : {target}\ndrafter: {drafter}\ndtype  : {a.dtype}\nlogs   : {logs}\n")
 
     print("starting vllm serve without speculation ...", flush=True)
     with VllmServer(target, logs / "plain.log", dtype=a.dtype) as plain:
