@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from pathlib import Path
 
 import psutil
 
+from benchmarks.soak_workload import KV_CACHE_BYTES, MAX_MODEL_LEN, drive, make_requests
 from vllm_carryover.server_process import VllmServer
 from vllm_carryover.testbed import smollm2_path
 
@@ -40,9 +40,6 @@ def rss_by_process(server: VllmServer) -> dict[str, float]:
 
 
 def run(carryover: bool, args: argparse.Namespace) -> list[dict[str, float]]:
-    sys.path.insert(0, str(REPO / "tests"))
-    from test_soak import KV_CACHE_BYTES, MAX_MODEL_LEN, drive, make_requests
-
     target = smollm2_path()
     spec = {"method": "carryover", "model": str(args.drafter),
             "num_speculative_tokens": args.k, "carryover": carryover}

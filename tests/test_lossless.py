@@ -12,8 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from chat_prompts import QUESTIONS
 from engine_runner import run_engine
+
+from benchmarks.chat_prompts import QUESTIONS
 
 MAX_TOKENS = 64
 BF16_ROUNDING_STEP = 0.25  # bf16 spacing of logits in [32, 64): top-2 gaps below are ties

@@ -34,8 +34,7 @@ from tiny_models import make_tiny_target, write_cached_dataset
 from train.baseline import BaselineArgs, train_baseline
 from train.carryover import CarryoverArgs, train_carryover
 from train.paths import run_dir
-from vllm_carryover.checkpoint import load_drafter_state
-from vllm_carryover.init_drafter import default_target_layers
+from vllm_carryover.checkpoint import default_target_layers, load_drafter_state
 
 REPO = Path(__file__).resolve().parent.parent
 K = 3  # block size 4: the bonus token + 3 drafted tokens

@@ -11,7 +11,7 @@ import torch
 from tiny_models import make_tiny_drafter, make_tiny_target, write_cached_dataset
 
 from train.__main__ import main
-from vllm_carryover.init_drafter import default_target_layers
+from vllm_carryover.checkpoint import default_target_layers
 
 VOCAB = 16  # small, so that some rejected rows' argmax hits the true token
 DATA = "tiny-headroom"

@@ -22,7 +22,7 @@ from tiny_models import make_tiny_drafter, make_tiny_target, write_cached_datase
 from train.__main__ import main
 from train.paths import run_dir
 from train.trainer import weights_digest
-from vllm_carryover.init_drafter import default_target_layers
+from vllm_carryover.checkpoint import default_target_layers
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 512  # make_tiny_target's default

@@ -4,21 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from train import data, headroom, vllm_eval
 from train.options import BaselineArgs, CarryoverArgs, add_train_options, args_from
-
-
-def default_target() -> str:
-    """The testbed target folder (SmolLM2-135M-Instruct), built if needed."""
-    out = subprocess.run([sys.executable, "-m", "vllm_carryover.testbed"], check=True,
-                         capture_output=True, text=True)
-    return out.stdout.strip().splitlines()[-1]
+from train.paths import default_target
 
 
 def cmd_baseline(a: argparse.Namespace) -> None:

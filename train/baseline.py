@@ -33,10 +33,10 @@ from train.vocab_subset import remap_labels, restricted_head
 from vllm_carryover.checkpoint import (
     REJECTED_EMBEDDING,
     DrafterConfig,
+    default_target_layers,
     make_config_dict,
 )
 from vllm_carryover.checkpoint import random_state_dict as random_drafter_state
-from vllm_carryover.init_drafter import default_target_layers
 from vllm_carryover.markov_head import fresh_markov_state
 from vllm_carryover.torch_drafter import TorchDrafter
 

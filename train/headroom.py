@@ -123,7 +123,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def _run(a: argparse.Namespace) -> None:
     import torch
 
-    from train.__main__ import default_target
+    from train.paths import default_target
 
     torch.set_num_threads(a.threads)
     table = headroom(a.target or default_target(), a.init, a.data, a.anchors_per_seq)

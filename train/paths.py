@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,3 +31,10 @@ def run_dir(name: str) -> Path:
 
 
 DEFAULT_DATA = "smollm2-mix-v2"  # the committed dataset (train/datasets/), the recipes' default
+
+
+def default_target() -> str:
+    """The testbed target folder (SmolLM2-135M-Instruct), built if needed."""
+    out = subprocess.run([sys.executable, "-m", "vllm_carryover.testbed"], check=True,
+                         capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]

@@ -47,7 +47,7 @@ def self_prompts(target: str, count: int, seed: int, *, workers: int = 1,
     import ray
     from transformers import AutoTokenizer
 
-    from train.data import Answerer, engine_kwargs
+    from train.answerer import Answerer, engine_kwargs
     from train.ray_shards import ray_session
     from vllm_carryover.dtype import fastest_dtype
 

@@ -79,6 +79,14 @@ class DrafterConfig:
         )
 
 
+def default_target_layers(depth: int, count: int = 3) -> list[int]:
+    """`count` target layers spread from the second to the third-to-last."""
+    if count == 1:
+        return [depth // 2]
+    lo, hi = 1, max(1, depth - 3)
+    return sorted({round(lo + i * (hi - lo) / (count - 1)) for i in range(count)})
+
+
 def make_config_dict(
     target_cfg: dict[str, Any],
     *,

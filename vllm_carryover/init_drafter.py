@@ -18,20 +18,13 @@ import torch
 from vllm_carryover.checkpoint import (
     REJECTED_EMBEDDING,
     DrafterConfig,
+    default_target_layers,
     load_drafter_state,
     make_config_dict,
     random_state_dict,
     save_drafter,
     validate_drafter,
 )
-
-
-def default_target_layers(depth: int, count: int = 3) -> list[int]:
-    """`count` target layers spread from the second to the third-to-last."""
-    if count == 1:
-        return [depth // 2]
-    lo, hi = 1, max(1, depth - 3)
-    return sorted({round(lo + i * (hi - lo) / (count - 1)) for i in range(count)})
 
 
 def init_drafter(

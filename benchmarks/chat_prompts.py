@@ -1,4 +1,4 @@
-"""Chat questions of mixed kinds and lengths, shared by the end-to-end tests."""
+"""Chat questions of mixed kinds and lengths: the soak workload and the end-to-end tests."""
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -1,0 +1,68 @@
+"""Dependencies point one way: no package imports the tests, and no import cycles.
+
+The graph is read from the source (every `import`, at module level or inside a
+function), over the project's packages: vllm_carryover, kernels, train, benchmarks.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("vllm_carryover", "kernels", "train", "benchmarks")
+TEST_MODULES = {p.stem for p in (REPO / "tests").glob("*.py")}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Absolute names a module imports: `from a.b import c` counts as the module a.b.c
+    if there is one, else as a.b."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                is_module = (REPO / sub.replace(".", "/")).with_suffix(".py").is_file() or (
+                    REPO / sub.replace(".", "/") / "__init__.py").is_file()
+                out.add(sub if is_module else node.module)
+    return out
+
+
+def project_graph() -> dict[str, set[str]]:
+    files = [p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")]
+    modules = {module_name(p): p for p in files}
+    return {m: {i for i in imports_of(p) if i in modules and i != m}
+            for m, p in modules.items()}
+
+
+def test_no_package_imports_the_tests() -> None:
+    for pkg in PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            names = imports_of(path)
+            assert not {n.split(".")[0] for n in names} & (TEST_MODULES | {"tests"}), path
+            assert not [line for line in path.read_text().splitlines()
+                        if "sys.path" in line and "tests" in line], f"{path} reaches into tests/"
+
+
+def test_there_are_no_import_cycles() -> None:
+    graph = project_graph()
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            assert state.get(n) != 1, " -> ".join([*stack[stack.index(n):], n])
+            if n not in state:
+                visit(n, [*stack, n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
