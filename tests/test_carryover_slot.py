@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from vllm_carryover.carryover_slot import plan_slots, shift_query_slots
+from vllm_carryover.carryover_slot import (
+    attended_keys,
+    carried_drafts,
+    draft_positions,
+    plan_slots,
+    query_storage,
+    shift_query_slots,
+    slot_positions,
+)
 
 K = 4
 
@@ -37,3 +45,18 @@ def test_query_block_is_stored_after_the_slot_at_its_own_blocks():
     want = [block_table[r, p // block_size] * block_size + p % block_size
             for r, p in zip(req, physical, strict=True)]
     assert slots.tolist() == [int(w) for w in want]
+
+
+def test_the_rule_carries_exactly_the_rejected_drafts_at_their_own_positions() -> None:
+    accepted = torch.tensor([0, 2, K])
+    carried = carried_drafts(accepted, K)
+    assert carried.sum(1).tolist() == [K, K - 2, 0]  # K - a carried, none if all accepted
+    assert carried[1].tolist() == [False, False] + [True] * (K - 2)
+    bonus = torch.tensor([10, 20, 30])
+    pos = draft_positions(bonus, K)
+    assert pos[1].tolist() == list(range(21, 21 + K))
+    # the carried drafts of request 1 sit right after its committed context n + a + 1
+    assert pos[1][carried[1]].tolist() == list(slot_positions(20 + 2 + 1, K - 2))
+    # the next block is stored after the slot and attends to context + slot + block
+    assert query_storage(23, K - 2) == 23 + K - 2
+    assert attended_keys(23, K - 2, K + 1) == 23 + (K - 2) + (K + 1)

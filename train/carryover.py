@@ -53,6 +53,7 @@ from train.paths import CHECKPOINTS, run_dir
 from train.target_states import truncated_decoder
 from train.trainer import SeqResult, Trainer, meta_args
 from train.vocab_subset import remap_labels, restricted_head
+from vllm_carryover.carryover_slot import carried_drafts, draft_positions
 from vllm_carryover.checkpoint import DrafterConfig, load_drafter_state
 from vllm_carryover.torch_drafter import TorchDrafter
 
@@ -125,13 +126,12 @@ def verify_inputs(tokens: torch.Tensor, anchors: torch.Tensor, drafts: torch.Ten
     accepted rows' states are the true states already cached.
     """
     k = drafts.shape[1]
-    slots = torch.arange(k)
-    rej = slots[None, :] >= accepted[:, None]  # [A, K]
+    rej = carried_drafts(accepted, k)  # [A, K]: the rejected drafts, the slot's rows
     anchor_idx, slot_idx = rej.nonzero(as_tuple=True)  # row-major: grouped by anchor
     last_true = anchors + accepted  # p + a: the last committed position
     n_true = int(last_true[anchor_idx].max()) + 1 if anchor_idx.numel() else 0
     ids = torch.cat([tokens[:n_true], drafts[anchor_idx, slot_idx]])
-    pos = torch.cat([torch.arange(n_true), anchors[anchor_idx] + 1 + slot_idx])
+    pos = torch.cat([torch.arange(n_true), draft_positions(anchors, k)[anchor_idx, slot_idx]])
     n = ids.shape[0]
     visible = torch.zeros(n, n, dtype=torch.bool)
     visible[:n_true, :n_true] = torch.ones(n_true, n_true, dtype=torch.bool).tril()
@@ -193,14 +193,14 @@ def second_draft_logits(model: TorchDrafter, k: torch.Tensor, v: torch.Tensor,
         return k.new_zeros(0, kk, model.lm_head.shape[0]), blocks.labels
     slot_aux = torch.zeros(a, kk, rejected.states.shape[-1])
     slot_aux[rejected.anchor, rejected.slot] = rejected.states.float()
-    slot_pos = anchors[:, None] + 1 + torch.arange(kk)[None, :]
+    slot_pos = draft_positions(anchors, kk)
     sk, sv = model.context_kv(model.fuse(slot_aux.flatten(0, 1)), slot_pos.flatten(),
                               torch.ones(a * kk, dtype=torch.bool))
     sk = sk.view(sk.shape[0], a, kk, *sk.shape[2:])
     sv = sv.view(sv.shape[0], a, kk, *sv.shape[2:])
     ctx_k = torch.cat([k[:, None].expand(-1, a, -1, -1, -1), sk], dim=2)
     ctx_v = torch.cat([v[:, None].expand(-1, a, -1, -1, -1), sv], dim=2)
-    slot_mask = torch.arange(kk)[None, :] >= accepted[:, None]
+    slot_mask = carried_drafts(accepted, kk)
     mask = torch.cat([blocks.ctx_mask, slot_mask & use_slot], dim=1)
     logits = model(blocks.query_ids, blocks.query_pos, ctx_k, ctx_v, mask)
     return model.teacher_forced(logits[:, 1:], blocks.prev_ids), blocks.labels

@@ -72,7 +72,9 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
             kept, acc = anchors[keep], acc[keep]
             ids, pos, visible, row_anchor, row_slot, n_true = verify_inputs(
                 tokens, kept, drafts[keep], acc)
-            first_row = row_slot == acc[row_anchor]  # d_{a+1}, one per kept anchor
+            # verify_inputs' rows are the carried drafts (carryover_slot's rule); the
+            # first of each anchor is d_{a+1}
+            first_row = row_slot == acc[row_anchor]
             target_next = masked_forward(full, ids, pos, visible).logits[0, n_true:][
                 first_row].argmax(-1)
             no_slot = Rejected(torch.empty(0, seq.aux.shape[-1]), row_anchor[:0], row_slot[:0])

@@ -21,6 +21,45 @@ from dataclasses import dataclass
 
 import torch
 
+# ---- the rule, per request -----------------------------------------------------------
+# A request whose bonus token sits at position n drafted d_1..d_K at n+1..n+K and had
+# d_1..d_a accepted: it has `committed = n + a + 1` tokens of context, carries the
+# K - a rejected drafts, and stores its next query block right after them. Every
+# query of that block sees all committed keys and all carried ones (non-causal).
+# Inference (below), training (`train.carryover`, `train.headroom`) and the slot
+# checks (`slot_table`) take the rule from these functions.
+
+
+def carried_drafts(accepted: torch.Tensor, num_drafts: int) -> torch.Tensor:
+    """[..., K] bool: draft j (0-based) is carried over iff it was rejected, j >= a."""
+    return torch.arange(num_drafts, device=accepted.device) >= accepted[..., None]
+
+
+def draft_positions(bonus_position: torch.Tensor, num_drafts: int) -> torch.Tensor:
+    """[..., K] positions of d_1..d_K: a carried draft keeps its own position."""
+    return bonus_position[..., None] + 1 + torch.arange(num_drafts,
+                                                        device=bonus_position.device)
+
+
+def slot_positions(committed: int, carried: int) -> range:
+    """Positions of a request's carried states: right after its committed context."""
+    return range(committed, committed + carried)
+
+
+def query_storage(position: torch.Tensor | int, carried: torch.Tensor | int
+                  ) -> torch.Tensor | int:
+    """Where a query token of logical `position` is stored: past the slot, which it
+    must not overwrite (its RoPE position stays logical)."""
+    return position + carried
+
+
+def attended_keys(committed: int, carried: int, block_len: int) -> int:
+    """Keys the next block attends to: committed context + slot + the block itself."""
+    return committed + carried + block_len
+
+
+# ---- vLLM's batch: the same rule over flattened requests ------------------------------
+
 
 @dataclass(frozen=True)
 class SlotLayout:
@@ -66,7 +105,8 @@ def shift_query_slots(
     """
     batch = carried.shape[0]
     shift = carried.to(torch.int64).repeat_interleave(num_query_per_req)
-    physical = query_positions[: batch * num_query_per_req].to(torch.int64) + shift
+    physical = query_storage(query_positions[: batch * num_query_per_req].to(torch.int64),
+                             shift)
     req = torch.arange(batch, device=physical.device).repeat_interleave(num_query_per_req)
     block_idx = (physical // block_size).clamp_(max=block_table.shape[1] - 1)
     block_ids = block_table[req, block_idx].to(torch.int64)

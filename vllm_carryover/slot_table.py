@@ -2,7 +2,8 @@
 
 Carryover is safe only if each draft sees its own request's rejected states and
 nobody else's. `carryover_slot` guarantees that by construction; this table
-checks it from the tensors vLLM really used in the round, request by request:
+checks the tensors vLLM really used in the round against that module's rule,
+request by request:
 
 - the carried states sit at cache slots of positions `committed .. committed+c-1`
   of the request's own block-table row, with `c <= num_speculative_tokens`;
@@ -27,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from vllm_carryover.carryover_slot import attended_keys, query_storage, slot_positions
 
 ENV_CHECK = "VLLM_CARRYOVER_CHECK_SLOTS"
 
@@ -137,19 +140,19 @@ class SlotTable:
             raise SlotOwnershipError(
                 f"round {self.rounds}: {s.req_id} carries {c} states, more than "
                 f"{self.max_slot}")
-        expected = tuple(self._cache_slot(s, p) for p in range(s.committed, s.committed + c))
+        expected = tuple(self._cache_slot(s, p) for p in slot_positions(s.committed, c))
         if s.carried != expected:
             raise SlotOwnershipError(
                 f"round {self.rounds}: {s.req_id} carried states at cache slots "
                 f"{list(s.carried)}, expected its own {list(expected)} right after its "
                 f"{s.committed} committed tokens")
-        start = s.committed + c
-        expected = tuple(self._cache_slot(s, p) for p in range(start, start + q))
+        expected = tuple(self._cache_slot(s, int(query_storage(p, c)))
+                         for p in range(s.committed, s.committed + q))
         if s.query != expected:
             raise SlotOwnershipError(
                 f"round {self.rounds}: {s.req_id} query block at cache slots "
                 f"{list(s.query)}, expected {list(expected)} after its slot")
-        if s.attended != start + q:
+        if s.attended != attended_keys(s.committed, c, q):
             raise SlotOwnershipError(
                 f"round {self.rounds}: {s.req_id} attends to {s.attended} keys, expected "
                 f"{s.committed} context + {c} carried + {q} block")
