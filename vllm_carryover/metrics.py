@@ -46,7 +46,14 @@ def metrics_dir(create: bool = False) -> Path | None:
 
 
 class CarryoverCounters:
-    """Monotonic counters of one worker process, backed by a mapped file."""
+    """Monotonic counters of one worker process, backed by a mapped file.
+
+    `record` runs in every drafting round, so it never waits for the device: the
+    counts accumulate in a device tensor, which is copied to pinned host memory
+    without blocking, and a copy is published to the file once its event has
+    completed (on CUDA the file thus lags the device by at most the rounds whose
+    copy is still in flight; on CPU it is exact after every round).
+    """
 
     def __init__(self, file: Path | None) -> None:
         if file is None:
@@ -54,18 +61,42 @@ class CarryoverCounters:
         else:
             file.parent.mkdir(parents=True, exist_ok=True)
             self._values = np.memmap(file, dtype=np.int64, mode="w+", shape=(len(COUNTERS),))
+        self._device: torch.Tensor | None = None  # running totals where drafting runs
+        self._host: torch.Tensor | None = None  # their latest copy (pinned on CUDA)
+        self._copied: torch.cuda.Event | None = None  # set when that copy has landed
 
     @classmethod
-    def for_this_process(cls) -> CarryoverCounters:
+    def for_this_process(cls, tp_rank: int = 0) -> CarryoverCounters:
+        """The worker's counters; only tensor-parallel rank 0 writes a file, since every
+        rank of a TP group drafts the same requests."""
         base = metrics_dir()
-        return cls(base / f"worker-{os.getpid()}.bin" if base else None)
+        keep = base is not None and tp_rank == 0
+        return cls(base / f"worker-{os.getpid()}.bin" if keep else None)
 
     def record(self, carried: torch.Tensor) -> None:
         """Count one drafting round; `carried` is the slot size of each request."""
-        c = carried.to("cpu", torch.int64)
-        self._values[0] += c.numel()
-        self._values[1] += int((c > 0).sum())
-        self._values[2] += int(c.sum())
+        if self._device is None or self._device.device != carried.device:
+            self._device = torch.zeros(len(COUNTERS), dtype=torch.int64, device=carried.device)
+            self._host = torch.zeros(len(COUNTERS), dtype=torch.int64,
+                                     pin_memory=carried.is_cuda)
+        c = carried.to(torch.int64)
+        self._device[0] += c.numel()
+        self._device[1] += (c > 0).sum()
+        self._device[2] += c.sum()
+        self._publish(carried.device)
+
+    def _publish(self, device: torch.device) -> None:
+        assert self._device is not None and self._host is not None
+        if device.type != "cuda":  # the CPU (or another device: one blocking copy)
+            self._values[:] = self._device.cpu().numpy()
+            return
+        if self._copied is not None:
+            if not self._copied.query():  # the last copy is still in flight
+                return
+            self._values[:] = self._host.numpy()
+        self._host.copy_(self._device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
 
     def as_dict(self) -> dict[str, int]:
         return dict(zip(COUNTERS, (int(v) for v in self._values), strict=True))

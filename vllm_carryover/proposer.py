@@ -32,13 +32,23 @@ from vllm_carryover.vllm_drafter import ARCHITECTURE
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
 
 
+def _tp_rank() -> int:
+    """This worker's rank in its tensor-parallel group (0 when there is none)."""
+    from vllm.distributed import parallel_state
+
+    try:
+        return parallel_state.get_tp_group().rank_in_group
+    except AssertionError:  # no model-parallel group (a bare proposer in a unit test)
+        return 0
+
+
 class CarryoverProposer(DFlashProposer):
     """DFlash drafting whose next block also attends to the last round's rejected states."""
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner: Any = None):
         super().__init__(vllm_config, device, runner)
         self.settings = CarryoverSettings.from_hf_config(self.draft_model_config.hf_config)
-        self.counters = CarryoverCounters.for_this_process()
+        self.counters = CarryoverCounters.for_this_process(_tp_rank())
         self._layout: SlotLayout | None = None
         self._bonus: torch.Tensor | None = None  # this round's bonus tokens [batch]
         self.trace = DraftTrace.from_env()
