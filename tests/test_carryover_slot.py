@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 
 from vllm_carryover.carryover_slot import (
@@ -10,6 +13,7 @@ from vllm_carryover.carryover_slot import (
     draft_positions,
     plan_slots,
     query_storage,
+    required_lookahead,
     shift_query_slots,
     slot_positions,
 )
@@ -60,3 +64,29 @@ def test_the_rule_carries_exactly_the_rejected_drafts_at_their_own_positions() -
     # the next block is stored after the slot and attends to context + slot + block
     assert query_storage(23, K - 2) == 23 + K - 2
     assert attended_keys(23, K - 2, K + 1) == 23 + (K - 2) + (K + 1)
+
+
+def dflash_spec(k: int) -> SimpleNamespace:
+    """What vLLM's lookahead rule reads of a translated (DFlash) speculative config."""
+    return SimpleNamespace(num_speculative_tokens=k, use_dflash=lambda: True,
+                           use_dspark=lambda: False, use_eagle=lambda: False,
+                           uses_draft_model=lambda: False, draft_model_config=None)
+
+
+def test_startup_refuses_a_vllm_that_reserves_too_few_kv_slots(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.config import VllmConfig
+
+    from vllm_carryover.checkpoint import CarryoverConfigError
+    from vllm_carryover.vllm_patches import check_kv_lookahead
+
+    # the worst case (nothing accepted) stores the block's last token K + 1 slots past
+    # the verified rows n..n+K
+    committed, carried = 10 + 0 + 1, K
+    last = query_storage(committed + K, carried)
+    assert last - (10 + K) == required_lookahead(K)
+    check_kv_lookahead(dflash_spec(K))  # vLLM 0.32 reserves K + 1 for DFlash
+    monkeypatch.setattr(VllmConfig, "num_lookahead_tokens",
+                        property(lambda self: self.num_speculative_tokens))
+    with pytest.raises(CarryoverConfigError, match=r"reserves 4 KV slots.*needs 5"):
+        check_kv_lookahead(dflash_spec(K))

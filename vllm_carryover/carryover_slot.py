@@ -58,6 +58,17 @@ def attended_keys(committed: int, carried: int, block_len: int) -> int:
     return committed + carried + block_len
 
 
+def required_lookahead(num_drafts: int) -> int:
+    """KV slots a request needs past its verified rows (bonus n, drafts to n+K).
+
+    The next block's last token is stored at committed + carried + K, at most
+    (n + a + 1) + (K - a) + K = n + 2K + 1: K + 1 slots past n + K, whatever a is.
+    vLLM reserves its `num_lookahead_tokens` there (K + 1 for DFlash in 0.32),
+    so carryover fits exactly, with no slack; `vllm_patches` checks it at startup.
+    """
+    return num_drafts + 1
+
+
 # ---- vLLM's batch: the same rule over flattened requests ------------------------------
 
 

@@ -7,7 +7,8 @@ whose meaning may change between releases.
 1. `EngineArgs.create_speculative_config`: accept `method: "carryover"`,
    validate it against the target, and hand vLLM a DFlash config; vLLM's own
    refusal of that config (a pydantic ValidationError) becomes a one-line
-   `CarryoverConfigError`.
+   `CarryoverConfigError`, and so does a vLLM that would reserve fewer KV slots
+   past the verified tokens than the slot and the next block need.
 2. `DFlashProposer.__new__`: build a `CarryoverProposer` when the drafter's
    config asks for carryover (isinstance checks on DFlashProposer still hold).
 3. `ModelRegistry`: register the `CarryoverDraftModel` architecture.
@@ -76,10 +77,35 @@ def _patch_engine_args() -> None:
         finally:
             self.speculative_config = user_spec  # re-entrant: a second call sees carryover
         sc.attach(config, settings)
+        check_kv_lookahead(config)
         return config
 
     create_speculative_config._carryover = True  # type: ignore[attr-defined]
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def check_kv_lookahead(spec: Any) -> None:
+    """Refuse to start unless vLLM reserves the KV slots carryover writes into.
+
+    Runs vLLM's own `VllmConfig.num_lookahead_tokens` rule on the translated
+    config: if a vLLM release reserved fewer slots past the verified tokens, the
+    shifted query block would be clamped into another block instead of failing."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig
+
+    from vllm_carryover.carryover_slot import required_lookahead
+    from vllm_carryover.checkpoint import CarryoverConfigError
+
+    k = spec.num_speculative_tokens
+    have = VllmConfig.num_lookahead_tokens.fget(SimpleNamespace(  # type: ignore[attr-defined]
+        speculative_config=spec, num_speculative_tokens=k, diffusion_config=None))
+    if have < required_lookahead(k):
+        raise CarryoverConfigError(
+            f"this vLLM reserves {have} KV slots past a request's verified tokens "
+            f"(VllmConfig.num_lookahead_tokens) but carryover stores its slot and the next "
+            f"draft block there and needs {required_lookahead(k)} for "
+            f"num_speculative_tokens={k}; use vLLM 0.32.x, which reserves K + 1 for DFlash")
 
 
 def _use_v1_model_runner() -> None:
