@@ -63,6 +63,7 @@ def answer(folder: Path, target: str, *, max_tokens: int, shard_size: int,
     todo = [i for i in range(len(ranges)) if i not in set(store.done_shards(folder))]
     todo = todo[:stop_after] if stop_after else todo
     meta = dict(meta or {}, shard_size=shard_size, max_tokens=max_tokens, sampling="greedy")
+    store.write_manifest(folder, meta)  # a copy taken before the first shard can resume
     print(f"{len(ranges) - len(todo)}/{len(ranges)} shards already answered; "
           f"{len(todo)} to go", flush=True)
     if todo:
@@ -182,8 +183,8 @@ def run_cli(a: Any) -> None:
     if (folder / store.PROMPTS).is_file():
         n = len(store.PromptTable.load(folder).rows)
         print(f"{folder}: continuing ({n} prompts in its table)", flush=True)
-        meta = store.load_manifest(folder)
-        meta = {k: meta[k] for k in ("target", "seed", "sources", "self_prompts") if k in meta}
+        known = (store.load_manifest(folder) if (folder / store.MANIFEST).is_file() else {})
+        meta = {k: known[k] for k in ("target", "seed", "sources", "self_prompts") if k in known}
     else:
         t = time.perf_counter()
         prompts = build_prompts(a.num_train, a.num_eval, a.seed, tuple(a.categories))
