@@ -163,3 +163,13 @@ def test_killed_generation_resumes_to_the_uninterrupted_result(
     assert f"{len(first)}/9 shards already answered" in resumed.stdout
     assert load_samples(b) == full
     assert store.load_manifest(b)["sha256"] == manifest["sha256"]
+
+
+def test_continuing_with_other_shard_settings_is_refused(smollm2: Path, tmp_path: Path) -> None:
+    store.write_dataset(tmp_path, rows_with(100), {"target": "t", "max_tokens": 48})
+    for flag, value in (("--shard-size", "3"), ("--max-tokens", "9")):
+        proc = subprocess.run([sys.executable, "-m", "train", "data", "--target", str(smollm2),
+                               "--out", str(tmp_path), flag, value],
+                              capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 1
+        assert f"was made with {flag}" in proc.stderr and "Traceback" not in proc.stderr

@@ -153,11 +153,14 @@ def add_cli(sub: Any) -> None:
                    help="extra general prompts written by the target (Magpie-style), "
                    "deduplicated; 12%% of them held out")
     d.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=CATEGORIES)
-    d.add_argument("--max-tokens", type=int, default=256, help="response length limit")
+    d.add_argument("--max-tokens", type=int,
+                   help="response length limit (default: the dataset's own when continuing, "
+                   "else 256)")
     d.add_argument("--max-prompt-tokens", type=int, default=2304,
                    help="longer prompts are dropped (default: %(default)s)")
-    d.add_argument("--shard-size", type=int, default=512,
-                   help="prompts per response shard (default: %(default)s)")
+    d.add_argument("--shard-size", type=int,
+                   help="prompts per response shard (default: the dataset's own when "
+                   "continuing, else 512)")
     d.add_argument("--stop-after", type=int, default=0,
                    help="answer at most this many shards in this invocation (0: all)")
     d.add_argument("--dtype", default="auto",
@@ -185,6 +188,13 @@ def run_cli(a: Any) -> None:
         print(f"{folder}: continuing ({n} prompts in its table)", flush=True)
         known = (store.load_manifest(folder) if (folder / store.MANIFEST).is_file() else {})
         meta = {k: known[k] for k in ("target", "seed", "sources", "self_prompts") if k in known}
+        for key in ("shard_size", "max_tokens"):  # every shard must be made alike
+            given, have = getattr(a, key), known.get(key)
+            if given and have and given != have:
+                flag = "--" + key.replace("_", "-")
+                raise SystemExit(f"{folder} was made with {flag} {have}; drop {flag} or "
+                                 f"pass {flag} {have}")
+            setattr(a, key, given or have)
     else:
         t = time.perf_counter()
         prompts = build_prompts(a.num_train, a.num_eval, a.seed, tuple(a.categories))
@@ -199,6 +209,7 @@ def run_cli(a: Any) -> None:
                 "self_prompts": a.self_prompts,
                 "sources": "see train/prompts.py; split units: conversation, module file, "
                 "generator + seed, Bible book, catalog domain, package"}
+    a.shard_size, a.max_tokens = a.shard_size or 512, a.max_tokens or 256
     manifest = answer(folder, target, max_tokens=a.max_tokens, shard_size=a.shard_size,
                       workers=a.workers, cpus_per_worker=a.cpus_per_worker,
                       ray_address=a.ray_address, kv_cache_gib=a.kv_cache_gib,
