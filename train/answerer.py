@@ -21,7 +21,8 @@ def engine_kwargs(target: str, max_model_len: int, kv_cache_gib: float,
 
 
 class Answerer:
-    """One vLLM engine answering shards of prompts greedily, several at a time."""
+    """One vLLM engine answering shards of prompts (greedy unless `sampling` says
+    otherwise), several at a time."""
 
     def __init__(self, engine: dict[str, Any], max_tokens: int, **sampling: Any) -> None:
         from vllm import LLM, SamplingParams
@@ -29,7 +30,6 @@ class Answerer:
         self.llm = LLM(**engine)
         self.params = SamplingParams(max_tokens=max_tokens, **({"temperature": 0.0} | sampling))
         self.pending: dict[int, list[list[int] | None]] = {}
-        self.prefill = 0
 
     def add(self, index: int, prompts: list[list[int]]) -> None:
         """Queue a shard: its requests join the running batch at once."""
@@ -40,7 +40,6 @@ class Answerer:
         # makes sampled runs repeatable for the same schedule.
         for j, ids in enumerate(prompts):
             engine.add_request(f"{index}:{j}", {"prompt_token_ids": ids}, self.params)
-        self.prefill += sum(len(p) for p in prompts)
 
     def next_done(self) -> tuple[int, list[list[int]], dict[str, float]]:
         """Step the engine until a queued shard is complete; return it with its stats."""
@@ -50,8 +49,9 @@ class Answerer:
             for index, resp in self.pending.items():
                 if all(r is not None for r in resp):
                     del self.pending[index]
+                    done = [r for r in resp if r is not None]
                     secs = time.perf_counter() - start
-                    return index, resp, {"seconds": secs, "output_tokens": out_tokens}  # type: ignore[return-value]
+                    return index, done, {"seconds": secs, "output_tokens": out_tokens}
             for o in engine.step():
                 if o.finished:
                     index, j = map(int, o.request_id.split(":"))
