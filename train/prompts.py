@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 CATEGORIES = ("chat", "code", "math", "translation", "general")
-SPLITS = ("train", "heldout")
 # translation and passages: whole books kept for evaluation (both testaments)
 EVAL_BOOKS = ("Ruth", "Jonah", "Mark", "Phil", "Jas")
 HELDOUT_FRACTION = 0.12

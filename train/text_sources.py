@@ -68,13 +68,6 @@ def documented_functions(unit: str, path: Path, limit: int = 3) -> list[Function
     return out
 
 
-def module_docstring(path: Path) -> str:
-    try:
-        return ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
-    except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
-        return ""
-
-
 def package_readmes(min_chars: int = 1500) -> list[tuple[str, str, str]]:
     """(distribution name, one-line summary, README text) of installed distributions."""
     seen: set[str] = set()
