@@ -55,13 +55,14 @@ from benchmarks.report import (
     write_json,
 )
 from train.paths import REPO
+from train.prompts import SERVE_MAX_MODEL_LEN
 from train.vllm_eval import SMOLLM2, check_rows, parse_row
 from vllm_carryover.server_process import die_with_parent
 
 CHILD_MODULE = "benchmarks.draft_step"
 DEFAULT_DRAFTER = SMOLLM2 / "carryover"
 ROWS = ("on", "off")
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = SERVE_MAX_MODEL_LEN  # any held-out prompt fits
 KV_CACHE_BYTES = 1 << 30
 GOAL_BATCH, GOAL_RATIO = 8, 1.05  # the goal: on/off <= 1.05 at batch 8
 PROMPTS_PER_CATEGORY = 8

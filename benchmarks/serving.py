@@ -35,7 +35,7 @@ from benchmarks.report import (
     ratio,
     write_json,
 )
-from train.prompts import CATEGORIES
+from train.prompts import CATEGORIES, SERVE_MAX_MODEL_LEN
 from train.vllm_eval import SMOLLM2, Row, check_rows, parse_row
 from vllm_carryover.server_process import VllmServer
 
@@ -56,7 +56,7 @@ SIZES: dict[str, dict[str, Any]] = {
 # from the start of the prompt file, where the categories take turns.
 MIN_REQUESTS = 4
 METRICS = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = SERVE_MAX_MODEL_LEN  # any held-out prompt fits
 KV_CACHE_BYTES = 512 << 20  # per server; six of them share the machine's memory
 # Goals of the issue, checked where the rows exist: (row, baseline, concurrency, min ratio).
 GOALS = [("carryover", "carryover-off", 1, 1.14), ("carryover", "none", 1, 2.5),

@@ -20,7 +20,7 @@ from typing import Any
 
 from train import dataset_store as store
 from train.answerer import Answerer, engine_kwargs
-from train.prompts import Prompt
+from train.prompts import MAX_PROMPT_TOKENS, Prompt
 from vllm_carryover.dtype import resolve_dtype
 
 # Re-exported: the dataset's reader API.
@@ -156,7 +156,7 @@ def add_cli(sub: Any) -> None:
     d.add_argument("--max-tokens", type=int,
                    help="response length limit (default: the dataset's own when continuing, "
                    "else 256)")
-    d.add_argument("--max-prompt-tokens", type=int, default=2304,
+    d.add_argument("--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS,
                    help="longer prompts are dropped (default: %(default)s)")
     d.add_argument("--shard-size", type=int,
                    help="prompts per response shard (default: the dataset's own when "

@@ -34,6 +34,11 @@ CATEGORIES = ("chat", "code", "math", "translation", "general")
 # translation and passages: whole books kept for evaluation (both testaments)
 EVAL_BOOKS = ("Ruth", "Jonah", "Mark", "Phil", "Jas")
 HELDOUT_FRACTION = 0.12
+# Long-passage prompts run to ~2.2k SmolLM2 tokens; the dataset drops longer ones
+# (`python -m train data --max-prompt-tokens`), and every engine that serves the
+# held-out prompts (train eval, the benchmarks) fits any of them plus a response.
+MAX_PROMPT_TOKENS = 2304
+SERVE_MAX_MODEL_LEN = 4096
 _SEEDS = {"train": 1001, "heldout": 2002}
 _MATH_GENERATORS = ("gsm_symbolic", "basic_arithmetic", "chain_sum", "leg_counting",
                     "decimal_arithmetic", "fraction_simplification", "gcd", "lcm",

@@ -30,6 +30,7 @@ from typing import Any
 
 from train.data import MANIFEST_FILE, load_samples
 from train.paths import CHECKPOINTS, DEFAULT_DATA, REPO, cache_root, data_dir
+from train.prompts import SERVE_MAX_MODEL_LEN
 from vllm_carryover.server_process import die_with_parent
 
 SMOLLM2 = CHECKPOINTS.relative_to(REPO) / "smollm2-135m-instruct"
@@ -43,7 +44,7 @@ DEFAULT_RATIOS = [("carryover", "baseline"), ("carryover", "carryover-off"),
                   ("dspark-carryover", "dspark-baseline"), ("dspark-baseline", "baseline")]
 DRAFTER_KINDS = ("dflash", "carryover", "carryover-off")
 NGRAM_LOOKUP = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = SERVE_MAX_MODEL_LEN  # any held-out prompt fits
 KV_CACHE_BYTES = 1 << 30
 WARMUP_TOKENS = 8
 COUNTERS = ("drafts", "draft_tokens", "accepted")
