@@ -20,7 +20,7 @@ from train.vllm_eval import SMOLLM2
 CARRYOVER = f"carryover=carryover:{SMOLLM2 / 'carryover'}"
 K = 7
 MAX_TOKENS = 16
-CATEGORIES = ("chat", "code", "math", "translation")
+CATEGORIES = ("chat", "code", "math", "translation", "general")
 
 
 def vllm_serve_pids() -> set[int]:
