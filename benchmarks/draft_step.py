@@ -102,7 +102,7 @@ class DraftStepSettings:
 
 def _interleaved_prompts(target: str, n: int) -> list[list[int]]:
     """`n` held-out prompts as chat token ids, categories round-robin, so even a
-    small batch mixes chat, code, math and translation."""
+    small batch mixes every category."""
     from benchmarks.eval_prompts import chat_token_ids, heldout_prompts
 
     per_category = chat_token_ids(target, heldout_prompts(PROMPTS_PER_CATEGORY))

@@ -1,9 +1,12 @@
-"""The benchmarks' prompts: held-out prompts of the four training categories.
+"""The benchmarks' prompts: held-out prompts of the five training categories.
 
-Built straight from the offline corpora by `train.prompts` (the held-out split:
-conversations, stdlib modules, generator seed and Bible books the shipped
-drafters never saw in training), so a fresh machine needs no generated dataset.
-Every row of a benchmark gets exactly the same prompts.
+Built straight from the offline corpora by `train.prompts` (its held-out split:
+units no training prompt of the dataset `smollm2-mix-v2` shares), so a fresh
+machine needs no generated dataset. Every row of a benchmark gets exactly the
+same prompts. The drafters shipped before that dataset were trained on prompts
+drawn by an earlier rule: the math seed and the Bible books were held out then
+too, but some held-out chat conversations and code modules may have been in
+their training data.
 """
 
 from __future__ import annotations
