@@ -52,9 +52,8 @@ DEFAULT_ROWS = ["none", "ngram", f"dflash=dflash:{SMOLLM2 / 'dflash-baseline'}",
 SIZES: dict[str, dict[str, Any]] = {
     "quick": {"num_prompts": 2, "max_tokens": 32, "concurrency": [1, 4], "repeats": 1},
     "full": {"num_prompts": 4, "max_tokens": 64, "concurrency": [1, 4, 16], "repeats": 2}}
-# Requests per run: at least this many, and at least one per concurrency slot; taken
-# from the start of the prompt file, where the categories take turns.
-MIN_REQUESTS = 4
+# Requests per run: one per category at least (taken from the start of the prompt
+# file, where the categories take turns), and at least one per concurrency slot.
 METRICS = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")
 MAX_MODEL_LEN = SERVE_MAX_MODEL_LEN  # any held-out prompt fits
 KV_CACHE_BYTES = 512 << 20  # per server; six of them share the machine's memory
@@ -232,7 +231,7 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
         "args": {"target": target, "rows": {r.name: r.spec for r in rows},
                  "speculative_configs": configs, "num_prompts": total_prompts,
                  "prompts_per_category": num_prompts, "categories": list(categories),
-                 "requests_per_run": {str(c): max(MIN_REQUESTS, c) for c in concurrency},
+                 "requests_per_run": {str(c): max(len(categories), c) for c in concurrency},
                  "max_tokens": max_tokens, "concurrency": concurrency, "repeats": repeats,
                  "k": k, "dtype": dtype, "temperature": 0.0, "max_model_len": MAX_MODEL_LEN,
                  "kv_cache_memory_bytes": KV_CACHE_BYTES},
@@ -258,7 +257,7 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
                 order = rows if rep % 2 == 0 else rows[::-1]
                 for row in order:
                     run = bench_once(servers[row.name], target, prompts,
-                                     max(MIN_REQUESTS, c), c, max_tokens,
+                                     max(len(categories), c), c, max_tokens,
                                      out / "raw" / f"{row.name}-c{c}-r{rep}.json")
                     result["runs"].append({"row": row.name, "concurrency": c, "repeat": rep,
                                            **run})
