@@ -55,14 +55,13 @@ from benchmarks.report import (
     write_json,
 )
 from train.paths import REPO
-from train.prompts import SERVE_MAX_MODEL_LEN
+from train.prompts import serve_max_model_len
 from train.vllm_eval import SMOLLM2, check_rows, parse_row
 from vllm_carryover.server_process import die_with_parent
 
 CHILD_MODULE = "benchmarks.draft_step"
 DEFAULT_DRAFTER = SMOLLM2 / "carryover"
 ROWS = ("on", "off")
-MAX_MODEL_LEN = SERVE_MAX_MODEL_LEN  # any held-out prompt fits
 KV_CACHE_BYTES = 1 << 30
 GOAL_BATCH, GOAL_RATIO = 8, 1.05  # the goal: on/off <= 1.05 at batch 8
 PROMPTS_PER_CATEGORY = 8
@@ -133,7 +132,8 @@ def _child(job_file: Path, reply_fd: int) -> None:
 
     start = time.perf_counter()
     llm = LLM(model=job["target"], speculative_config=job["speculative_config"],
-              dtype=job["dtype"], enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+              dtype=job["dtype"], enforce_eager=True,
+              max_model_len=serve_max_model_len(job["target"]),
               kv_cache_memory_bytes=KV_CACHE_BYTES, seed=0)
     reply({"event": "ready", "startup_seconds": round(time.perf_counter() - start, 2)})
     steps_dir, offsets = os.environ[ENV], {}

@@ -35,7 +35,7 @@ from benchmarks.report import (
     ratio,
     write_json,
 )
-from train.prompts import CATEGORIES, SERVE_MAX_MODEL_LEN
+from train.prompts import CATEGORIES, serve_max_model_len
 from train.vllm_eval import SMOLLM2, Row, check_rows, parse_row
 from vllm_carryover.server_process import VllmServer
 
@@ -55,7 +55,6 @@ SIZES: dict[str, dict[str, Any]] = {
 # Requests per run: one per category at least (taken from the start of the prompt
 # file, where the categories take turns), and at least one per concurrency slot.
 METRICS = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")
-MAX_MODEL_LEN = SERVE_MAX_MODEL_LEN  # any held-out prompt fits
 KV_CACHE_BYTES = 512 << 20  # per server; six of them share the machine's memory
 # Goals of the issue, checked where the rows exist: (row, baseline, concurrency, min ratio).
 GOALS = [("carryover", "carryover-off", 1, 1.14), ("carryover", "none", 1, 2.5),
@@ -226,6 +225,7 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
     out.mkdir(parents=True, exist_ok=True)
     prompts = out / "prompts.jsonl"
     total_prompts = write_prompts(target, num_prompts, categories, prompts)
+    max_model_len = serve_max_model_len(target)
     result: dict[str, Any] = {
         **header(),
         "args": {"target": target, "rows": {r.name: r.spec for r in rows},
@@ -233,7 +233,7 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
                  "prompts_per_category": num_prompts, "categories": list(categories),
                  "requests_per_run": {str(c): max(len(categories), c) for c in concurrency},
                  "max_tokens": max_tokens, "concurrency": concurrency, "repeats": repeats,
-                 "k": k, "dtype": dtype, "temperature": 0.0, "max_model_len": MAX_MODEL_LEN,
+                 "k": k, "dtype": dtype, "temperature": 0.0, "max_model_len": max_model_len,
                  "kv_cache_memory_bytes": KV_CACHE_BYTES},
         "runs": []}
     with contextlib.ExitStack() as stack:
@@ -243,7 +243,7 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
             started = time.monotonic()
             server = VllmServer(target, out / "logs" / f"{row.name}.log",
                                 speculative_config=configs[row.name], dtype=dtype,
-                                max_model_len=MAX_MODEL_LEN, kv_cache_bytes=KV_CACHE_BYTES,
+                                max_model_len=max_model_len, kv_cache_bytes=KV_CACHE_BYTES,
                                 start_timeout=start_timeout)
             try:
                 servers[row.name] = stack.enter_context(server)

@@ -15,10 +15,12 @@ import pytest
 from engine_runner import run_engine
 
 from benchmarks.chat_prompts import QUESTIONS
+from vllm_carryover.dtype import cpu_has_native_bf16
 
 MAX_TOKENS = 64
 BF16_ROUNDING_STEP = 0.25  # bf16 spacing of logits in [32, 64): top-2 gaps below are ties
 BF16_PROMPTS = 8
+BF16_EMULATED_MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +37,13 @@ def prompts(smollm2: Path) -> list[list[int]]:
 
 def generate(smollm2: Path, prompts: list[list[int]], workdir: Path, name: str,
              drafter: Path | None = None, dtype: str = "float32", k: int = 7,
-             **spec_keys: object) -> dict:
+             max_tokens: int = MAX_TOKENS, **spec_keys: object) -> dict:
     engine = {"dtype": dtype, "enable_prefix_caching": True, "max_num_batched_tokens": 128,
               "enable_chunked_prefill": True}
     if drafter is not None:
         engine["speculative_config"] = {"method": "carryover", "model": str(drafter),
                                         "num_speculative_tokens": k, **spec_keys}
-    return run_engine({"model": str(smollm2), "prompts": prompts, "max_tokens": MAX_TOKENS,
+    return run_engine({"model": str(smollm2), "prompts": prompts, "max_tokens": max_tokens,
                        "engine": engine}, workdir, name)
 
 
@@ -104,11 +106,14 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def test_bfloat16_differs_only_at_near_ties(smollm2, prompts, random_drafter, tmp_path):
-    # Half the prompts: bf16 matmuls are ~2x slower than fp32 on CPUs without AMX.
+    # Half the prompts (and half the tokens where bf16 is emulated): bf16 matmuls
+    # are ~2x slower than fp32 on CPUs without AMX, ~4x on AVX2-only ones.
     prompts = prompts[:BF16_PROMPTS]
-    ref = generate(smollm2, prompts, tmp_path, "none-bf16", dtype="bfloat16")
+    tokens = MAX_TOKENS if cpu_has_native_bf16() else BF16_EMULATED_MAX_TOKENS
+    ref = generate(smollm2, prompts, tmp_path, "none-bf16", dtype="bfloat16",
+                   max_tokens=tokens)
     out = generate(smollm2, prompts, tmp_path, "carryover-bf16", random_drafter,
-                   dtype="bfloat16")
+                   dtype="bfloat16", max_tokens=tokens)
     identical = 0
     for i, (want, got) in enumerate(zip(ref["token_ids"], out["token_ids"], strict=True)):
         at = first_divergence(want, got)

@@ -26,9 +26,11 @@ Only the prompts come from these sources: the responses are the target's own
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 CATEGORIES = ("chat", "code", "math", "translation", "general")
 # translation and passages: whole books kept for evaluation (both testaments)
@@ -383,3 +385,16 @@ def dedupe(prompts: list[Prompt]) -> list[Prompt]:
             seen.add(key)
             out.append(p)
     return out
+
+
+def serve_max_model_len(target: str) -> int:
+    """`SERVE_MAX_MODEL_LEN`, or the target's own limit where that is shorter
+    (vLLM refuses a `max_model_len` above `max_position_embeddings`)."""
+    config = Path(target) / "config.json"
+    if config.is_file():
+        limit = json.loads(config.read_text()).get("max_position_embeddings")
+    else:  # a hub id: transformers resolves it as vLLM does
+        from transformers import AutoConfig
+
+        limit = getattr(AutoConfig.from_pretrained(target), "max_position_embeddings", None)
+    return min(SERVE_MAX_MODEL_LEN, limit or SERVE_MAX_MODEL_LEN)

@@ -30,7 +30,7 @@ from typing import Any
 
 from train.data import MANIFEST_FILE, load_samples
 from train.paths import CHECKPOINTS, DEFAULT_DATA, REPO, cache_root, data_dir
-from train.prompts import SERVE_MAX_MODEL_LEN
+from train.prompts import serve_max_model_len
 from vllm_carryover.server_process import die_with_parent
 
 SMOLLM2 = CHECKPOINTS.relative_to(REPO) / "smollm2-135m-instruct"
@@ -44,7 +44,6 @@ DEFAULT_RATIOS = [("carryover", "baseline"), ("carryover", "carryover-off"),
                   ("dspark-carryover", "dspark-baseline"), ("dspark-baseline", "baseline")]
 DRAFTER_KINDS = ("dflash", "carryover", "carryover-off")
 NGRAM_LOOKUP = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
-MAX_MODEL_LEN = SERVE_MAX_MODEL_LEN  # any held-out prompt fits
 KV_CACHE_BYTES = 1 << 30
 WARMUP_TOKENS = 8
 COUNTERS = ("drafts", "draft_tokens", "accepted")
@@ -263,7 +262,7 @@ def _child(job_file: Path, events_file: Path) -> None:
             f.write(json.dumps(event) + "\n")
 
     engine: dict[str, Any] = {"dtype": job["dtype"], "enforce_eager": True,
-                              "max_model_len": MAX_MODEL_LEN,
+                              "max_model_len": serve_max_model_len(job["target"]),
                               "kv_cache_memory_bytes": KV_CACHE_BYTES,
                               "disable_log_stats": False, "seed": 0,
                               "skip_tokenizer_init": not _has_tokenizer(job["target"])}
@@ -445,7 +444,7 @@ def run_eval(rows: list[Row], s: EvalSettings, out: Path,
                  if manifest is not None and manifest.is_file() else None,
                  "rows": {r.name: r.spec for r in rows}, "num_prompts": s.num_prompts,
                  "max_tokens": s.max_tokens, "k": s.k, "dtype": s.dtype,
-                 "temperature": 0.0, "max_model_len": MAX_MODEL_LEN,
+                 "temperature": 0.0, "max_model_len": serve_max_model_len(s.target),
                  "kv_cache_memory_bytes": KV_CACHE_BYTES, "warmup_tokens": WARMUP_TOKENS,
                  "ratios": [list(r) for r in ratios]},
         "categories": list(prompts),

@@ -23,6 +23,12 @@ from vllm_carryover.markov_head import MARKOV_W1, MARKOV_W2
 
 WEIGHTS_FILE = "model.safetensors"
 REJECTED_EMBEDDING = "rejected_embedding"
+# The one set of defaults of the format: what transformers' Qwen3Config, and so
+# vLLM, assumes for a drafter `config.json` (model_type qwen3) without the field.
+# `make_config_dict` falls back to the same values for a target that lacks one.
+FORMAT_DEFAULTS: dict[str, Any] = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                                   "max_position_embeddings": 32768}
+DEFAULT_BLOCK_SIZE = 16  # vLLM's DFlash default when `block_size` is absent
 
 
 class CarryoverConfigError(ValueError):
@@ -54,7 +60,6 @@ class DrafterConfig:
     def from_dict(cls, cfg: dict[str, Any]) -> DrafterConfig:
         dflash = cfg.get("dflash_config") or {}
         heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or {}
         layer_types = cfg.get("layer_types") or []
         causal = bool(dflash.get("causal", False)) or (
             bool(layer_types) and all(t == "sliding_attention" for t in layer_types)
@@ -67,16 +72,24 @@ class DrafterConfig:
             num_key_value_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             vocab_size=cfg["vocab_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 1e6)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-            block_size=cfg.get("block_size", 16),
+            rms_norm_eps=cfg.get("rms_norm_eps", FORMAT_DEFAULTS["rms_norm_eps"]),
+            rope_theta=rope_theta_of(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings",
+                                            FORMAT_DEFAULTS["max_position_embeddings"]),
+            block_size=cfg.get("block_size", DEFAULT_BLOCK_SIZE),
             mask_token_id=dflash["mask_token_id"],
             target_layer_ids=tuple(dflash["target_layer_ids"]),
             target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
             causal=causal,
             markov_rank=cfg.get("markov_rank") or 0,
         )
+
+
+def rope_theta_of(cfg: dict[str, Any]) -> float:
+    """RoPE base of a config in either transformers layout (`rope_parameters` or
+    the older top-level `rope_theta`)."""
+    rope = cfg.get("rope_parameters") or {}
+    return rope.get("rope_theta", cfg.get("rope_theta", FORMAT_DEFAULTS["rope_theta"]))
 
 
 def default_target_layers(depth: int, count: int = 3) -> list[int]:
@@ -102,9 +115,6 @@ def make_config_dict(
     (with a Markov head of rank `markov_rank` when it is > 0)."""
     heads = target_cfg["num_attention_heads"]
     hidden = target_cfg["hidden_size"]
-    rope_theta = (target_cfg.get("rope_parameters") or {}).get(
-        "rope_theta", target_cfg.get("rope_theta", 10000.0)
-    )
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -116,9 +126,10 @@ def make_config_dict(
         "head_dim": target_cfg.get("head_dim") or hidden // heads,
         "hidden_act": "silu",
         "vocab_size": target_cfg["vocab_size"],
-        "rms_norm_eps": target_cfg.get("rms_norm_eps", 1e-5),
-        "rope_theta": rope_theta,
-        "max_position_embeddings": target_cfg.get("max_position_embeddings", 8192),
+        "rms_norm_eps": target_cfg.get("rms_norm_eps", FORMAT_DEFAULTS["rms_norm_eps"]),
+        "rope_theta": rope_theta_of(target_cfg),
+        "max_position_embeddings": target_cfg.get("max_position_embeddings",
+                                                  FORMAT_DEFAULTS["max_position_embeddings"]),
         "attention_bias": False,
         "tie_word_embeddings": True,
         "torch_dtype": "float32",

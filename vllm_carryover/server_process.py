@@ -2,8 +2,9 @@
 
 Used by the demo and the benchmarks: the server gets a free port, its output
 goes to a log file, and leaving the `with` block (normally or by an exception,
-including a server that fails to start) kills its whole process group. If the
-starting process itself is killed, the server gets SIGTERM too (PR_SET_PDEATHSIG).
+including a server that fails to start) kills its whole process group and
+session. If the starting process itself is killed, the server gets SIGTERM too
+(PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -121,15 +122,30 @@ class VllmServer:
         return out
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM to the server's process group, SIGKILL if it lingers, then
+        SIGKILL to whatever is left in its session: Ray's raylet starts its agents
+        in process groups of their own, and they can outlive the server by minutes."""
+        if self.proc is None:
             return
         for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            if self.proc.poll() is not None:
+                break
             try:
                 os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
                 self.proc.wait(timeout=wait)
-                return
+            except ProcessLookupError:
+                break
             except subprocess.TimeoutExpired:
                 continue
+        _kill_session(self.proc.pid)
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL every live process of session `sid` (Linux: read from /proc)."""
+    for entry in Path("/proc").glob("[0-9]*"):
+        pid = int(entry.name)
+        try:
+            if pid != os.getpid() and os.getsid(pid) == sid:
+                os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            continue
