@@ -28,6 +28,22 @@ def random_drafter(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 @pytest.fixture(scope="session")
+def stub_drafter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random drafter (block size 8) for a target stub with SmolLM2's shapes: for
+    tests of the checkpoint format that need no real target. Copy it to change it."""
+    import json
+
+    from checkpoint_layouts import TARGET_STUB
+
+    from vllm_carryover.init_drafter import init_drafter
+
+    target = tmp_path_factory.mktemp("target_stub")
+    (target / "config.json").write_text(json.dumps(TARGET_STUB))
+    return init_drafter(target, tmp_path_factory.mktemp("stub_drafter") / "drafter",
+                        block_size=8)
+
+
+@pytest.fixture(scope="session")
 def shipped_drafters() -> Path:
     """The folder of the SmolLM2 drafters that `train/` made and the repository ships."""
     return (Path(__file__).resolve().parent.parent / "train" / "checkpoints"

@@ -31,17 +31,18 @@ from typing import Any
 
 import psutil
 import pytest
+from checkpoint_layouts import TARGET_STUB, shard_drafter
 
 from vllm_carryover import vllm_patches
-from vllm_carryover.checkpoint import REJECTED_EMBEDDING, WEIGHTS_FILE, CarryoverConfigError
+from vllm_carryover.checkpoint import (
+    REJECTED_EMBEDDING,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX,
+    CarryoverConfigError,
+)
 from vllm_carryover.init_drafter import init_drafter
 from vllm_carryover.server_process import free_port
 from vllm_carryover.speculative_config import translate
-
-# SmolLM2-135M's shapes: what the validator reads of a target's HF config.
-TARGET_STUB = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-               "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
-               "max_position_embeddings": 8192, "rope_theta": 100000.0}
 
 
 def carryover(drafter: Path, **extra: Any) -> dict[str, Any]:
@@ -85,8 +86,9 @@ def rebuild_for_hidden_size_128(drafter: Path) -> None:
     tiny_target = drafter.parent / "tiny_target"
     tiny_target.mkdir()
     (tiny_target / "config.json").write_text(json.dumps(
-        TARGET_STUB | {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
-                       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}))
+        {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+         "vocab_size": 49152}))
     shutil.rmtree(drafter)
     init_drafter(tiny_target, drafter, block_size=8)
 
@@ -172,6 +174,13 @@ BAD_INPUTS: dict[str, BadInput] = {
     "config_not_a_drafter": BadInput(("is not a DFlash drafter config (KeyError",),
                                      break_drafter=lambda d: edit_config(
                                          d, lambda cfg: cfg.pop("dflash_config"))),
+    "sharded_without_a_shard": BadInput(
+        ("lacks 1 of the 2 shards its model.safetensors.index.json names (first: "
+         "model-00002-of-00002.safetensors)",),
+        break_drafter=lambda d: (d / shard_drafter(d)[1]).unlink()),
+    "shard_index_without_weight_map": BadInput(
+        ("model.safetensors.index.json is not a safetensors index (KeyError",),
+        break_drafter=lambda d: (shard_drafter(d), (d / WEIGHTS_INDEX).write_text("{}"))),
     "missing_weights": BadInput((f"has no {WEIGHTS_FILE}",),
                                 break_drafter=lambda d: (d / WEIGHTS_FILE).unlink(), cli=True),
     "truncated_weights": BadInput(("is truncated or corrupt (tensor data ends",),
@@ -216,15 +225,6 @@ def make_bad_input(case: BadInput, valid_drafter: Path, work: Path) -> str | dic
 
 
 # -- the validator, on a target stub ------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def stub_drafter(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A valid random drafter (block size 8) for a target with SmolLM2's shapes."""
-    target = tmp_path_factory.mktemp("target_stub")
-    (target / "config.json").write_text(json.dumps(TARGET_STUB))
-    return init_drafter(target, tmp_path_factory.mktemp("stub_drafter") / "drafter",
-                        block_size=8)
 
 
 def test_validator_accepts_the_valid_drafter(stub_drafter):

@@ -9,9 +9,11 @@ since verifying K+1 tokens at once rounds differently from decoding one at a tim
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
+from checkpoint_layouts import hub_cache_layout, shard_drafter
 from engine_runner import run_engine
 
 from benchmarks.chat_prompts import QUESTIONS
@@ -36,15 +38,16 @@ def prompts(smollm2: Path) -> list[list[int]]:
 
 
 def generate(smollm2: Path, prompts: list[list[int]], workdir: Path, name: str,
-             drafter: Path | None = None, dtype: str = "float32", k: int = 7,
-             max_tokens: int = MAX_TOKENS, **spec_keys: object) -> dict:
+             drafter: Path | str | None = None, dtype: str = "float32", k: int = 7,
+             max_tokens: int = MAX_TOKENS, env: dict[str, str] | None = None,
+             **spec_keys: object) -> dict:
     engine = {"dtype": dtype, "enable_prefix_caching": True, "max_num_batched_tokens": 128,
               "enable_chunked_prefill": True}
     if drafter is not None:
         engine["speculative_config"] = {"method": "carryover", "model": str(drafter),
                                         "num_speculative_tokens": k, **spec_keys}
     return run_engine({"model": str(smollm2), "prompts": prompts, "max_tokens": max_tokens,
-                       "engine": engine}, workdir, name)
+                       "engine": engine}, workdir, name, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +64,19 @@ def test_float32_random_drafter_is_token_identical_and_carries_states(
     assert co["carryover_rejected_states"] > 0
     assert co["carryover_nonempty_slot_rounds"] > 0.5 * co["carryover_draft_rounds"]
     assert out["spec"]["spec_decode_num_drafts"] > 0
+
+
+def test_float32_hub_drafter_in_shards_served_offline_is_token_identical(
+        smollm2, prompts, random_drafter, reference_fp32, tmp_path):
+    """A hub id from the local HF cache with HF_HUB_OFFLINE=1, its weights in two shards."""
+    sharded = Path(shutil.copytree(random_drafter, tmp_path / "sharded"))
+    shard_drafter(sharded)
+    cache = tmp_path / "hub"
+    hub_cache_layout(cache, "carryover-tests/random-drafter", sharded)
+    out = generate(smollm2, prompts, tmp_path, "carryover-hub", "carryover-tests/random-drafter",
+                   env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)})
+    assert out["token_ids"] == reference_fp32["token_ids"]
+    assert out["carryover"]["carryover_rejected_states"] > 0
 
 
 @pytest.mark.parametrize(("drafter", "k"), [("dspark-carryover", 7), ("dflash-baseline", 1)])

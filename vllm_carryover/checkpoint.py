@@ -22,6 +22,7 @@ import torch
 from vllm_carryover.markov_head import MARKOV_W1, MARKOV_W2
 
 WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint
 REJECTED_EMBEDDING = "rejected_embedding"
 # The one set of defaults of the format: what transformers' Qwen3Config, and so
 # vLLM, assumes for a drafter `config.json` (model_type qwen3) without the field.
@@ -170,6 +171,38 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a drafter folder: `model.safetensors`, or the shards
+    that `model.safetensors.index.json` names (as vLLM and transformers read them)."""
+    if (path / WEIGHTS_FILE).is_file():
+        return [path / WEIGHTS_FILE]
+    index = path / WEIGHTS_INDEX
+    if not index.is_file():
+        raise CarryoverConfigError(
+            f"drafter folder {path} has no {WEIGHTS_FILE} (nor a sharded checkpoint's "
+            f"{WEIGHTS_INDEX})")
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise CarryoverConfigError(
+            f"{index} is not a safetensors index ({type(e).__name__}: {e}); it needs a "
+            "\"weight_map\" from tensor names to shard files") from e
+    missing = [name for name in shards if not (path / name).is_file()]
+    if missing:
+        raise CarryoverConfigError(
+            f"drafter folder {path} lacks {len(missing)} of the {len(shards)} shards its "
+            f"{WEIGHTS_INDEX} names (first: {missing[0]}); download the whole checkpoint")
+    return [path / name for name in shards]
+
+
+def read_weights_header(path: Path) -> dict[str, Any]:
+    """Tensor names, dtypes and shapes over every weights file of a drafter folder."""
+    header: dict[str, Any] = {}
+    for file in weight_files(path):
+        header |= read_safetensors_header(file)
+    return header
+
+
 def _target_dims(target_cfg: Any) -> tuple[int, int, int]:
     """(hidden size, vocab size, number of layers) of a target HF config."""
     text = getattr(target_cfg, "get_text_config", lambda: target_cfg)()
@@ -187,7 +220,8 @@ def validate_drafter(path: str | Path, target_cfg: Any, num_speculative_tokens: 
     if not path.is_dir():
         raise CarryoverConfigError(
             f"drafter folder {path} does not exist; pass a local folder made by "
-            "`python -m vllm_carryover.init_drafter` or by `python -m train export`"
+            "`python -m vllm_carryover.init_drafter` or by `python -m train export`, or a "
+            "Hugging Face hub id (owner/name)"
         )
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -201,10 +235,7 @@ def validate_drafter(path: str | Path, target_cfg: Any, num_speculative_tokens: 
             "hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, "
             "vocab_size and dflash_config.{mask_token_id,target_layer_ids}"
         ) from e
-    weights = path / WEIGHTS_FILE
-    if not weights.is_file():
-        raise CarryoverConfigError(f"drafter folder {path} has no {WEIGHTS_FILE}")
-    header = read_safetensors_header(weights)
+    header = read_weights_header(path)
 
     hidden, vocab, depth = _target_dims(target_cfg)
     if drafter.target_hidden_size != hidden or drafter.hidden_size != hidden:
@@ -284,13 +315,13 @@ def _check_shapes(path: Path, header: dict[str, Any], d: DrafterConfig) -> None:
     missing = sorted(set(want) - set(header))
     if missing:
         raise CarryoverConfigError(
-            f"drafter weights {path / WEIGHTS_FILE} lack {len(missing)} tensors "
+            f"drafter weights in {path} lack {len(missing)} tensors "
             f"(first: {missing[0]}); the file does not match its config.json"
         )
     stray = sorted(n for n in (MARKOV_W1, MARKOV_W2) if n in header and n not in want)
     if stray:
         raise CarryoverConfigError(
-            f"drafter weights {path / WEIGHTS_FILE} hold a Markov head ({stray[0]}) but "
+            f"drafter weights in {path} hold a Markov head ({stray[0]}) but "
             "config.json has no markov_rank; add \"markov_rank\": R (the head's second "
             "dimension) to config.json"
         )
@@ -311,7 +342,7 @@ def _check_shapes(path: Path, header: dict[str, Any], d: DrafterConfig) -> None:
 
 
 def has_rejected_embedding(path: str | Path) -> bool:
-    return REJECTED_EMBEDDING in read_safetensors_header(Path(path) / WEIGHTS_FILE)
+    return REJECTED_EMBEDDING in read_weights_header(Path(path))
 
 
 def random_state_dict(d: DrafterConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -348,7 +379,9 @@ def load_drafter_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torc
 
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
-    state = load_file(str(path / WEIGHTS_FILE))
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(path):
+        state |= load_file(str(file))
     if REJECTED_EMBEDDING not in state:
         state[REJECTED_EMBEDDING] = torch.zeros(cfg["hidden_size"])
     return cfg, state

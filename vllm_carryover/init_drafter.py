@@ -25,6 +25,7 @@ from vllm_carryover.checkpoint import (
     save_drafter,
     validate_drafter,
 )
+from vllm_carryover.drafter_source import resolve_drafter
 
 
 def init_drafter(
@@ -44,7 +45,7 @@ def init_drafter(
     """Write a drafter folder for `target` into `out` and return its path."""
     target_cfg: dict[str, Any] = json.loads((Path(target) / "config.json").read_text())
     if from_dflash is not None:
-        cfg, state = load_drafter_state(from_dflash)
+        cfg, state = load_drafter_state(resolve_drafter(str(from_dflash)))
         cfg.setdefault("carryover_config", {})["initialized_from"] = str(from_dflash)
         had_embedding = REJECTED_EMBEDDING in state and bool(state[REJECTED_EMBEDDING].any())
         print(f"init_drafter: copied DFlash weights from {from_dflash}; rejected embedding "
@@ -102,8 +103,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="the semi-autoregressive variant: a Markov head of this rank, which "
                    "drafts the block left to right with a logit bias from the previous "
                    "token (default: 0, the parallel DFlash-style drafter)")
-    p.add_argument("--from-dflash", help="start from this DFlash checkpoint instead of "
-                   "random weights; a missing rejected embedding starts at zero")
+    p.add_argument("--from-dflash", help="start from this DFlash checkpoint (a folder or a "
+                   "Hugging Face hub id) instead of random weights; a missing rejected "
+                   "embedding starts at zero")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     a = p.parse_args(argv)

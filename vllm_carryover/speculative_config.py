@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm_carryover.checkpoint import CarryoverConfigError, validate_drafter
+from vllm_carryover.drafter_source import resolve_drafter
 
 METHOD = "carryover"
 HF_ATTR = "carryover_runtime"
@@ -79,7 +80,8 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
     model = spec.get("model")
     if not isinstance(model, str) or not model:
         raise CarryoverConfigError(
-            "the carryover speculative config needs 'model': the path of a drafter folder")
+            "the carryover speculative config needs 'model': the path of a drafter folder "
+            "or a Hugging Face hub id")
     k = spec.get("num_speculative_tokens")
     if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
         raise CarryoverConfigError(
@@ -89,7 +91,10 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
             f"'num_speculative_tokens' must be at least 1, got {k}; leave it out to draft "
             "block_size - 1 tokens per step, or drop the speculative config to turn "
             "speculation off")
-    drafter = validate_drafter(model, target_hf_config, k)
+    # vLLM gets the folder that was validated: a hub id becomes its local snapshot.
+    folder = resolve_drafter(model, spec.get("revision"))
+    spec["model"] = str(folder)
+    drafter = validate_drafter(folder, target_hf_config, k)
     if k is None:
         spec["num_speculative_tokens"] = drafter.block_size - 1
     spec["method"] = "dflash"
