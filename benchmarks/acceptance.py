@@ -3,7 +3,7 @@
 Every row (no speculation, vLLM's n-gram, vLLM's in-tree DFlash on the baseline
 drafter, the carryover drafter with carryover off, and on) runs offline in its
 own fresh vLLM engine process over the same held-out prompts, greedy, one
-category after another (`train.vllm_eval` does the running). From vLLM's own
+category after another (`vllm_carryover.acceptance_eval` does the running). From vLLM's own
 spec-decode counters, per row and category:
 
   tau                      1 + accepted / drafts (tokens per verify step, bonus included)
@@ -32,16 +32,12 @@ from benchmarks.report import (
     write_json,
 )
 from train.prompts import CATEGORIES
-from train.vllm_eval import (
-    SMOLLM2,
-    EvalSettings,
-    Row,
-    mean_tau,
-    parse_ratio,
-    parse_row,
-    run_eval,
-)
-from train.vllm_eval import markdown_table as tau_table
+from vllm_carryover.acceptance_eval import EvalSettings, run_eval
+from vllm_carryover.rows import Row, parse_ratio, parse_row
+from vllm_carryover.run_settings import REPO, SHIPPED_DRAFTERS, resolve_target
+from vllm_carryover.tau import mean_tau, tau_table
+
+SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 
 DEFAULT_ROWS = ["none", "ngram", f"dflash=dflash:{SMOLLM2 / 'dflash-baseline'}",
                 f"carryover-off=carryover-off:{SMOLLM2 / 'carryover'}",
@@ -143,17 +139,14 @@ def run_acceptance(rows: list[Row], settings: EvalSettings, out: Path,
 
 
 def _cmd_acceptance(a: argparse.Namespace) -> None:
-    from vllm_carryover.testbed import smollm2_path
-
     size = SIZES["quick" if a.quick else "full"]
-    target = str(Path(a.target).resolve()) if a.target else str(smollm2_path())
+    target = resolve_target(a.target)
     rows = a.row or [parse_row(r) for r in DEFAULT_ROWS]
-    names = [r.name for r in rows]
-    ratios = a.ratio or [p for p in DEFAULT_RATIOS if p[0] in names and p[1] in names]
-    settings = EvalSettings(target=target, data=None, categories=a.categories,
+    settings = EvalSettings(target=target, categories=a.categories,
                             num_prompts=a.num_prompts or size["num_prompts"],
                             max_tokens=a.max_tokens or size["max_tokens"], k=a.k,
-                            dtype=a.dtype or default_dtype(), ratios=ratios)
+                            dtype=a.dtype or default_dtype(), ratios=a.ratio,
+                            default_ratios=DEFAULT_RATIOS)
     out = Path(a.out) if a.out else default_out_dir("acceptance")
     result = run_acceptance(rows, settings, out, seed=a.seed)
     print("\n" + result["summary"])

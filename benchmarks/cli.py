@@ -7,7 +7,7 @@ from typing import Any
 
 from benchmarks.report import DTYPE_HELP, DTYPES
 from train.prompts import CATEGORIES
-from train.vllm_eval import ROW_HELP, parse_row
+from vllm_carryover.rows import parse_row, rows_help
 
 
 def row_benchmark_parser(subparsers: Any, name: str, help_text: str, doc: str,
@@ -17,8 +17,7 @@ def row_benchmark_parser(subparsers: Any, name: str, help_text: str, doc: str,
     --max-tokens, -k, --dtype and --out; the caller adds its own options."""
     p = subparsers.add_parser(
         name, help=help_text, description=doc,
-        epilog=ROW_HELP.split("Default rows:")[0] + "Default rows:\n  "
-        + "\n  ".join(default_rows) + "\n\nexample (the README's full run):\n"
+        epilog=rows_help(default_rows) + "\nexample (the README's full run):\n"
         f"  python -m benchmarks {name} --out benchmarks/results/{name}\n",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",

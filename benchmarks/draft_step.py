@@ -54,10 +54,16 @@ from benchmarks.report import (
     ratio,
     write_json,
 )
-from train.paths import REPO
-from train.prompts import serve_max_model_len
-from train.vllm_eval import SMOLLM2, check_rows, parse_row
+from vllm_carryover.rows import check_rows, parse_row
+from vllm_carryover.run_settings import (
+    REPO,
+    SHIPPED_DRAFTERS,
+    resolve_target,
+    serve_max_model_len,
+)
 from vllm_carryover.server_process import die_with_parent
+
+SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 
 CHILD_MODULE = "benchmarks.draft_step"
 DEFAULT_DRAFTER = SMOLLM2 / "carryover"
@@ -386,12 +392,7 @@ def run_draft_step(s: DraftStepSettings, out: Path) -> dict[str, Any]:
 
 def _cmd_draft_step(a: argparse.Namespace) -> None:
     size = SIZES["quick" if a.quick else "full"]
-    if a.target:
-        target = str(Path(a.target).resolve()) if Path(a.target).exists() else a.target
-    else:
-        from vllm_carryover.testbed import smollm2_path
-
-        target = str(smollm2_path())
+    target = resolve_target(a.target)
     settings = DraftStepSettings(
         target=target, drafter=a.drafter, k=a.k, dtype=a.dtype or default_dtype(),
         warmup_steps=a.warmup_steps,

@@ -11,7 +11,7 @@ their training data.
 
 from __future__ import annotations
 
-from train.prompts import CATEGORIES, Prompt, build_prompts
+from train.prompts import CATEGORIES, Prompt, build_prompts, prompt_token_ids
 
 
 def heldout_prompts(num_per_category: int, categories: tuple[str, ...] = CATEGORIES,
@@ -34,6 +34,4 @@ def chat_texts(target: str, prompts: dict[str, list[Prompt]]) -> dict[str, list[
 
 def chat_token_ids(target: str, prompts: dict[str, list[Prompt]]) -> dict[str, list[list[int]]]:
     """Each prompt as chat-templated token ids (what an offline `generate` gets)."""
-    from train.data import prompt_token_ids
-
     return {c: prompt_token_ids(target, ps) for c, ps in prompts.items()}

@@ -37,8 +37,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    from train.data import prompt_token_ids
-    from train.prompts import build_prompts
+    from train.prompts import build_prompts, prompt_token_ids
     from vllm_carryover.dtype import resolve_dtype
     from vllm_carryover.testbed import smollm2_path
 

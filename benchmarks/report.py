@@ -14,14 +14,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from train.paths import cache_root
-from train.vllm_eval import command_line
+from vllm_carryover.run_settings import command_line
+from vllm_carryover.testbed import cache_root
 
 
 def default_out_dir(benchmark: str) -> Path:
     """$VLLM_CARRYOVER_CACHE/benchmarks/NAME/DATE-TIME: a fresh folder per run."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return cache_root().parent / "benchmarks" / benchmark / stamp
+    return cache_root() / "benchmarks" / benchmark / stamp
 
 
 DTYPES = ("bfloat16", "float16", "float32")

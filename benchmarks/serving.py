@@ -35,9 +35,17 @@ from benchmarks.report import (
     ratio,
     write_json,
 )
-from train.prompts import CATEGORIES, serve_max_model_len
-from train.vllm_eval import SMOLLM2, Row, check_rows, parse_row
+from train.prompts import CATEGORIES
+from vllm_carryover.rows import Row, check_rows, parse_row
+from vllm_carryover.run_settings import (
+    REPO,
+    SHIPPED_DRAFTERS,
+    resolve_target,
+    serve_max_model_len,
+)
 from vllm_carryover.server_process import VllmServer
+
+SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 
 # Drafting only while at most ADAPTIVE_MAX_BATCH requests run, plain decoding above
 # (vLLM's batch-size schedule, passed through by the plugin).
@@ -288,10 +296,8 @@ def _concurrency(text: str) -> list[int]:
 
 
 def _cmd_serving(a: argparse.Namespace) -> None:
-    from vllm_carryover.testbed import smollm2_path
-
     size = SIZES["quick" if a.quick else "full"]
-    target = str(Path(a.target).resolve()) if a.target else str(smollm2_path())
+    target = resolve_target(a.target)
     out = Path(a.out) if a.out else default_out_dir("serving")
     result = run_serving(
         a.row or [parse_row(r) for r in DEFAULT_ROWS], target, out,

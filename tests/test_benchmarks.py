@@ -15,9 +15,9 @@ import psutil
 import pytest
 
 from benchmarks.__main__ import main as benchmarks_main
-from train.vllm_eval import SMOLLM2
+from vllm_carryover.run_settings import SHIPPED_DRAFTERS
 
-CARRYOVER = f"carryover=carryover:{SMOLLM2 / 'carryover'}"
+CARRYOVER = f"carryover=carryover:{SHIPPED_DRAFTERS / 'carryover'}"
 K = 7
 MAX_TOKENS = 16
 CATEGORIES = ("chat", "code", "math", "translation", "general")
@@ -112,7 +112,7 @@ def test_serving_quick_result_has_ratios_to_no_speculation_and_stops_servers(
 def test_serving_stops_every_server_when_a_later_one_fails_to_start(
         tmp_path: Path, smollm2: Path) -> None:
     broken = tmp_path / "broken-drafter"
-    shutil.copytree(SMOLLM2 / "carryover", broken)
+    shutil.copytree(SHIPPED_DRAFTERS / "carryover", broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated: refused at startup
     before = vllm_serve_pids()

@@ -1,4 +1,5 @@
-"""Dependencies point one way: no package imports the tests, and no import cycles.
+"""Dependencies point one way: no package imports the tests, no import cycles, and the
+benchmarks use nothing of `train/` but its prompt sets.
 
 The graph is read from the source (every `import`, at module level or inside a
 function), over the project's packages: vllm_carryover, kernels, train, benchmarks.
@@ -66,3 +67,23 @@ def test_there_are_no_import_cycles() -> None:
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+
+
+# What the benchmarks may use of train/: the held-out prompts (its public face).
+# Everything else they share with train/ lives in vllm_carryover/.
+BENCHMARKS_MAY_USE_OF_TRAIN = {"train.prompts"}
+
+
+def test_benchmarks_use_only_the_prompt_sets_of_train() -> None:
+    graph = project_graph()
+    for module, imports in graph.items():
+        if module.split(".")[0] == "benchmarks":
+            of_train = {i for i in imports if i.split(".")[0] == "train"}
+            assert of_train <= BENCHMARKS_MAY_USE_OF_TRAIN, (module, of_train)
+
+
+def test_the_plugin_imports_neither_train_nor_benchmarks() -> None:
+    graph = project_graph()
+    for module, imports in graph.items():
+        if module.split(".")[0] in ("vllm_carryover", "kernels"):
+            assert not {i for i in imports if i.split(".")[0] in ("train", "benchmarks")}, module

@@ -18,7 +18,8 @@ from tiny_models import make_tiny_drafter, make_tiny_target
 
 from train.data import write_dataset
 from train.paths import data_dir
-from train.vllm_eval import add_cli, parse_row, speculative_config
+from train.vllm_eval import add_cli
+from vllm_carryover.rows import parse_row, speculative_config
 
 K = 3
 MAX_TOKENS = 16

@@ -20,7 +20,7 @@ from typing import Any
 
 from train import dataset_store as store
 from train.answerer import Answerer, engine_kwargs
-from train.prompts import MAX_PROMPT_TOKENS, Prompt
+from train.prompts import MAX_PROMPT_TOKENS, Prompt, prompt_token_ids
 from vllm_carryover.dtype import resolve_dtype
 
 # Re-exported: the dataset's reader API.
@@ -32,19 +32,6 @@ MANIFEST_FILE = store.MANIFEST
 def load_samples(data: Path, split: str | None = None) -> list[dict[str, Any]]:
     """Every answered prompt of a dataset (optionally one split), in table order."""
     return [r for r in store.iter_samples(data) if split is None or r["split"] == split]
-
-
-def prompt_token_ids(target: str, prompts: list[Prompt]) -> list[list[int]]:
-    """Chat-templated prompt token ids (generation prompt added)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(target)
-    out = []
-    for p in prompts:
-        ids = tok.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
-                                      return_dict=False)
-        out.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
-    return out
 
 
 def answer(folder: Path, target: str, *, max_tokens: int, shard_size: int,

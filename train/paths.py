@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from vllm_carryover.run_settings import REPO
+
 CHECKPOINTS = REPO / "train" / "checkpoints"
 
 

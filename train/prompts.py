@@ -26,11 +26,9 @@ Only the prompts come from these sources: the responses are the target's own
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 CATEGORIES = ("chat", "code", "math", "translation", "general")
 # translation and passages: whole books kept for evaluation (both testaments)
@@ -38,9 +36,9 @@ EVAL_BOOKS = ("Ruth", "Jonah", "Mark", "Phil", "Jas")
 HELDOUT_FRACTION = 0.12
 # Long-passage prompts run to ~2.2k SmolLM2 tokens; the dataset drops longer ones
 # (`python -m train data --max-prompt-tokens`), and every engine that serves the
-# held-out prompts (train eval, the benchmarks) fits any of them plus a response.
+# held-out prompts (train eval, the benchmarks: `run_settings.SERVE_MAX_MODEL_LEN`)
+# fits any of them plus a response.
 MAX_PROMPT_TOKENS = 2304
-SERVE_MAX_MODEL_LEN = 4096
 _SEEDS = {"train": 1001, "heldout": 2002}
 _MATH_GENERATORS = ("gsm_symbolic", "basic_arithmetic", "chain_sum", "leg_counting",
                     "decimal_arithmetic", "fraction_simplification", "gcd", "lcm",
@@ -387,14 +385,14 @@ def dedupe(prompts: list[Prompt]) -> list[Prompt]:
     return out
 
 
-def serve_max_model_len(target: str) -> int:
-    """`SERVE_MAX_MODEL_LEN`, or the target's own limit where that is shorter
-    (vLLM refuses a `max_model_len` above `max_position_embeddings`)."""
-    config = Path(target) / "config.json"
-    if config.is_file():
-        limit = json.loads(config.read_text()).get("max_position_embeddings")
-    else:  # a hub id: transformers resolves it as vLLM does
-        from transformers import AutoConfig
+def prompt_token_ids(target: str, prompts: list[Prompt]) -> list[list[int]]:
+    """Chat-templated prompt token ids (generation prompt added)."""
+    from transformers import AutoTokenizer
 
-        limit = getattr(AutoConfig.from_pretrained(target), "max_position_embeddings", None)
-    return min(SERVE_MAX_MODEL_LEN, limit or SERVE_MAX_MODEL_LEN)
+    tok = AutoTokenizer.from_pretrained(target)
+    out = []
+    for p in prompts:
+        ids = tok.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+        out.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+    return out

@@ -14,10 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm_carryover.run_settings import SHIPPED_DRAFTERS
 from vllm_carryover.server_process import VllmServer
-
-REPO = Path(__file__).resolve().parent.parent
-SHIPPED = REPO / "train" / "checkpoints" / "smollm2-135m-instruct"
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -30,8 +28,8 @@ QUESTIONS = [
 def default_drafter(target: Path, workdir: Path) -> Path:
     """The shipped carryover drafter, else the shipped baseline, else a random one."""
     for name in ("carryover", "dflash-baseline"):
-        if (SHIPPED / name / "model.safetensors").is_file():
-            return SHIPPED / name
+        if (SHIPPED_DRAFTERS / name / "model.safetensors").is_file():
+            return SHIPPED_DRAFTERS / name
     from vllm_carryover.init_drafter import init_drafter
 
     print("demo: no trained drafter shipped yet; using a RANDOM drafter (it will be "

@@ -1,0 +1,204 @@
+"""Acceptance length per prompt category, measured through vLLM, one row at a time.
+
+Every row (a speculative method on a drafter folder, or none) runs in its own
+fresh process (`python -m vllm_carryover.acceptance_eval JOB.json EVENTS.jsonl`),
+because vLLM wants one engine per process and two engines on a small CPU only
+thrash. That process builds one `LLM` and generates the prompts of each category
+in turn, reading vLLM's cumulative spec-decode counters before and after each one
+(`tau.counter_delta`). `train eval` runs it on a dataset's held-out split,
+`benchmarks acceptance` on held-out prompts built from the corpora.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from vllm_carryover.rows import Row, check_rows, file_sha256
+from vllm_carryover.run_settings import REPO, command_line, has_tokenizer, serve_max_model_len
+from vllm_carryover.server_process import die_with_parent
+from vllm_carryover.tau import active_ratios, counter_delta, counter_totals, pooled, tau_table
+
+KV_CACHE_BYTES = 1 << 30
+WARMUP_TOKENS = 8
+
+
+@dataclass
+class EvalSettings:
+    """Everything that is the same for all rows of one evaluation."""
+
+    target: str
+    data: str | None = None  # the dataset the prompts come from, recorded with its hash
+    data_sha256: str | None = None
+    categories: list[str] | None = None
+    num_prompts: int = 16
+    max_tokens: int = 128
+    k: int = 7
+    dtype: str = "bfloat16"
+    ratios: list[tuple[str, str]] | None = None  # None: the defaults whose rows exist
+    default_ratios: list[tuple[str, str]] = field(default_factory=list)
+    timeout_s: float | None = None
+
+
+def _child(job_file: Path, events_file: Path) -> None:
+    """Inside the row's process: one engine, every category in turn, one event per line.
+
+    The process leads its own process group (see run_row); on SIGTERM (also sent
+    when the evaluating process dies) it takes the engine's processes down with it.
+    """
+    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+    from vllm import LLM, SamplingParams
+
+    from vllm_carryover.metrics import spec_decode_counters
+
+    job = json.loads(job_file.read_text())
+
+    def emit(event: dict[str, Any]) -> None:
+        with events_file.open("a") as f:
+            f.write(json.dumps(event) + "\n")
+
+    engine: dict[str, Any] = {"dtype": job["dtype"], "enforce_eager": True,
+                              "max_model_len": serve_max_model_len(job["target"]),
+                              "kv_cache_memory_bytes": KV_CACHE_BYTES,
+                              "disable_log_stats": False, "seed": 0,
+                              "skip_tokenizer_init": not has_tokenizer(job["target"])}
+    if job["speculative_config"]:
+        engine["speculative_config"] = job["speculative_config"]
+    start = time.perf_counter()
+    llm = LLM(model=job["target"], **engine)
+    emit({"event": "ready", "startup_seconds": round(time.perf_counter() - start, 2)})
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
+        before = spec_decode_counters(llm)
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        seconds = time.perf_counter() - start
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        return {"prompts": len(prompts), "output_tokens": n_out,
+                "seconds": round(seconds, 3),
+                "tokens_per_s": round(n_out / seconds, 2) if seconds > 0 else None,
+                **counter_delta(before, spec_decode_counters(llm))}
+
+    first = next(iter(job["prompts"].values()))[:1]
+    emit({"event": "warmup", **generate(first, WARMUP_TOKENS)})
+    for category, prompts in job["prompts"].items():
+        emit({"event": "category", "category": category,
+              **generate(prompts, job["max_tokens"])})
+    emit({"event": "done", "engine_counters": spec_decode_counters(llm)})
+
+
+def _progress_line(name: str, event: dict[str, Any]) -> str:
+    if event["event"] == "ready":
+        return f"[{name}] engine ready in {event['startup_seconds']:.1f} s"
+    what = event.get("category", "warmup")
+    spec = (f"tau {event['tau']:.3f} ({event['drafts']} drafts, {event['accepted']} "
+            "accepted), " if event["drafts"] else "")
+    return (f"[{name}] {what}: {spec}{event['output_tokens']} tokens in "
+            f"{event['seconds']:.1f} s = {event['tokens_per_s'] or 0:.1f} tok/s")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the row's process and whatever engine processes it left behind."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def run_row(name: str, config: dict[str, Any] | None, prompts: dict[str, list[list[int]]],
+            s: EvalSettings) -> dict[str, Any]:
+    """Run one row in a fresh process, printing a line per category as it finishes."""
+    job = {"target": s.target, "speculative_config": config, "prompts": prompts,
+           "max_tokens": s.max_tokens, "dtype": s.dtype}
+    with tempfile.TemporaryDirectory(prefix="vllm-eval-") as tmp:
+        job_file, events_file, log_file = (Path(tmp) / f for f in
+                                           ("job.json", "events.jsonl", "engine.log"))
+        job_file.write_text(json.dumps(job))
+        events_file.touch()
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+        started = time.monotonic()
+        events: list[dict[str, Any]] = []
+        with log_file.open("w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "vllm_carryover.acceptance_eval", str(job_file),
+                 str(events_file)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                start_new_session=True, preexec_fn=die_with_parent)
+            try:
+                while True:
+                    code = proc.poll()
+                    text = events_file.read_text()
+                    lines = text[:text.rfind("\n") + 1].splitlines()  # whole lines only
+                    for line in lines[len(events):]:
+                        events.append(json.loads(line))
+                        if events[-1]["event"] != "done":
+                            print(_progress_line(name, events[-1]), flush=True)
+                    if code is not None:
+                        break
+                    if s.timeout_s and time.monotonic() - started > s.timeout_s:
+                        raise TimeoutError(f"row {name} took over {s.timeout_s:.0f} s")
+                    time.sleep(1.0)
+            finally:
+                _kill_group(proc)
+        if code != 0 or not events or events[-1]["event"] != "done":
+            tail = "\n".join(log_file.read_text().splitlines()[-40:])
+            raise RuntimeError(f"row {name} failed (exit code {code}); log tail:\n{tail}")
+    by_kind = {e["event"]: e for e in events}
+    categories = {e["category"]: {k: v for k, v in e.items() if k not in ("event", "category")}
+                  for e in events if e["event"] == "category"}
+    warmup = {k: v for k, v in by_kind["warmup"].items() if k != "event"}
+    return {"startup_seconds": by_kind["ready"]["startup_seconds"],
+            "categories": categories, "warmup": warmup,
+            "total": pooled(categories.values()),
+            "engine_counters": counter_totals(by_kind["done"]["engine_counters"])}
+
+
+def run_eval(rows: list[Row], s: EvalSettings, out: Path,
+             prompts: dict[str, list[list[int]]]) -> dict[str, Any]:
+    """Evaluate every row (one process each, one after another) on `prompts`, by
+    category; write `out` after each row, so a failure keeps the rows already measured."""
+    configs = check_rows(rows, s.k)
+    ratios = active_ratios([r.name for r in rows], s.ratios, s.default_ratios)
+    result: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command_line(),
+        "args": {"target": s.target, "data": s.data, "data_sha256": s.data_sha256,
+                 "rows": {r.name: r.spec for r in rows}, "num_prompts": s.num_prompts,
+                 "max_tokens": s.max_tokens, "k": s.k, "dtype": s.dtype,
+                 "temperature": 0.0, "max_model_len": serve_max_model_len(s.target),
+                 "kv_cache_memory_bytes": KV_CACHE_BYTES, "warmup_tokens": WARMUP_TOKENS,
+                 "ratios": [list(r) for r in ratios]},
+        "categories": list(prompts),
+        "prompts": {c: len(p) for c, p in prompts.items()},
+        "rows": {},
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for row in rows:
+        config = configs[row.name]
+        model = Path((config or {}).get("model", "")) / "model.safetensors"
+        res = {"spec": row.spec, "speculative_config": config,
+               "drafter_sha256": file_sha256(model) if model.is_file() else None,
+               **run_row(row.name, config, prompts, s)}
+        result["rows"][row.name] = res
+        total = res["total"]
+        tau = f"tau {total['tau']:.3f}" if total["tau"] is not None else "no drafts"
+        print(f"[{row.name}] done: pooled {tau}, {total['tokens_per_s'] or 0:.1f} tok/s",
+              flush=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    result["table"] = tau_table(result)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    _child(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -1,0 +1,56 @@
+"""What every measuring run shares: the checkout, the default target, the length limit.
+
+`train eval`, the benchmarks and the demo all start vLLM on the same target with
+the same serving length and record how they were started; one definition each.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent  # the checkout (shipped drafters, datasets)
+SHIPPED_DRAFTERS = REPO / "train" / "checkpoints" / "smollm2-135m-instruct"
+# Serving length of every measuring run: the longest held-out prompt (1-2k-token
+# passages) plus its answer fits.
+SERVE_MAX_MODEL_LEN = 4096
+
+
+def resolve_target(target: str | None) -> str:
+    """A target folder (absolute), a hub id as given, or the SmolLM2 testbed (None)."""
+    if not target:
+        from vllm_carryover.testbed import smollm2_path
+
+        return str(smollm2_path())
+    return str(Path(target).resolve()) if Path(target).exists() else target
+
+
+def serve_max_model_len(target: str) -> int:
+    """`SERVE_MAX_MODEL_LEN`, or the target's own limit where that is shorter
+    (vLLM refuses a `max_model_len` above `max_position_embeddings`)."""
+    config = Path(target) / "config.json"
+    if config.is_file():
+        limit = json.loads(config.read_text()).get("max_position_embeddings")
+    else:  # a hub id: transformers resolves it as vLLM does
+        from transformers import AutoConfig
+
+        limit = getattr(AutoConfig.from_pretrained(target), "max_position_embeddings", None)
+    return min(SERVE_MAX_MODEL_LEN, limit or SERVE_MAX_MODEL_LEN)
+
+
+def has_tokenizer(target: str) -> bool:
+    """False for a local folder without tokenizer files (the tests' tiny target), which
+    vLLM can only load with `skip_tokenizer_init`; with a tokenizer, EOS ends answers."""
+    path = Path(target)
+    return not path.is_dir() or any((path / f).is_file() for f in (
+        "tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def command_line() -> str:
+    """How this process was started, as a user would type it (for result files)."""
+    argv = sys.argv
+    if Path(argv[0]).name == "__main__.py":
+        return shlex.join(["python", "-m", Path(argv[0]).parent.name, *argv[1:]])
+    return shlex.join(["python", *argv])
