@@ -26,13 +26,7 @@ every step), draft_step.md, draft_step.png and the engines' logs to --out.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
-import select
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -40,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 
 from benchmarks.report import (
     DTYPE_HELP,
@@ -54,6 +47,7 @@ from benchmarks.report import (
     ratio,
     write_json,
 )
+from vllm_carryover.engine_process import EngineProcess, child_commands, child_start
 from vllm_carryover.rows import check_rows, parse_row
 from vllm_carryover.run_settings import (
     REPO,
@@ -61,7 +55,7 @@ from vllm_carryover.run_settings import (
     resolve_target,
     serve_max_model_len,
 )
-from vllm_carryover.server_process import die_with_parent
+from vllm_carryover.step_timer import ENV, read_steps
 
 SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 
@@ -115,26 +109,14 @@ def _interleaved_prompts(target: str, n: int) -> list[list[int]]:
     return [mixed[i % len(mixed)] for i in range(n)]
 
 
-def _child(job_file: Path, reply_fd: int) -> None:
-    """Inside a row's process: one engine; commands on stdin, one reply line each.
+def _child() -> None:
+    """Inside a row's process (`EngineProcess`): one engine, one reply per command.
 
     A command is `{"prompts": [token ids, ...], "max_tokens": N}`; its reply holds
-    the step records the worker wrote meanwhile. Replies go to their own pipe, so
-    vLLM's output (to the log file) never mixes in. The process leads its own
-    process group; on SIGTERM (also sent when the benchmark dies) it takes the
-    engine's processes down with it.
+    the step records the worker wrote meanwhile.
     """
-    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
-    job = json.loads(job_file.read_text())
-    replies = os.fdopen(reply_fd, "w")
-
-    def reply(event: dict[str, Any]) -> None:
-        replies.write(json.dumps(event) + "\n")
-        replies.flush()
-
+    job, reply = child_start()
     from vllm import LLM, SamplingParams
-
-    from vllm_carryover.step_timer import ENV, read_steps
 
     start = time.perf_counter()
     llm = LLM(model=job["target"], speculative_config=job["speculative_config"],
@@ -143,8 +125,7 @@ def _child(job_file: Path, reply_fd: int) -> None:
               kv_cache_memory_bytes=KV_CACHE_BYTES, seed=0)
     reply({"event": "ready", "startup_seconds": round(time.perf_counter() - start, 2)})
     steps_dir, offsets = os.environ[ENV], {}
-    for line in sys.stdin:
-        cmd = json.loads(line)
+    for cmd in child_commands():
         params = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"],
                                 ignore_eos=True, detokenize=False)
         prompts = [{"prompt_token_ids": p} for p in cmd["prompts"]]
@@ -154,76 +135,6 @@ def _child(job_file: Path, reply_fd: int) -> None:
         reply({"event": "done", "seconds": round(time.perf_counter() - start, 3),
                "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                "steps": read_steps(steps_dir, offsets)})
-
-
-class _Engine:
-    """One row's engine process: JSON commands on its stdin, replies on a pipe,
-    vLLM's output in a log file. `kill()` takes down its whole process group."""
-
-    def __init__(self, name: str, job: dict[str, Any], workdir: Path, log_file: Path) -> None:
-        self.name, self.log_file = name, log_file
-        job_file = workdir / f"{name}.json"
-        job_file.write_text(json.dumps(job))
-        env = {**os.environ, "VLLM_CARRYOVER_STEP_TIMES": str(workdir / f"steps-{name}")}
-        env.pop("VLLM_CARRYOVER_METRICS_DIR", None)  # each engine makes its own
-        read_end, write_end = os.pipe()
-        with self.log_file.open("wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", CHILD_MODULE, str(job_file), str(write_end)],
-                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
-                cwd=REPO, pass_fds=(write_end,), start_new_session=True,
-                preexec_fn=die_with_parent)
-        os.close(write_end)
-        self._replies = read_end
-        self._buffer = b""
-
-    def send(self, command: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(command) + "\n").encode())
-        self.proc.stdin.flush()
-
-    def receive(self, timeout_s: float) -> dict[str, Any]:
-        """The next reply; fails with the log's tail if the engine dies or stalls."""
-        deadline = time.monotonic() + timeout_s
-        while b"\n" not in self._buffer:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine {self.name} exited with {self.proc.returncode}; "
-                                   f"last lines of {self.log_file}:\n{self.tail()}")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"engine {self.name}: no reply in {timeout_s:.0f} s; "
-                                   f"last lines of {self.log_file}:\n{self.tail()}")
-            if select.select([self._replies], [], [], min(left, 1.0))[0]:
-                self._buffer += os.read(self._replies, 1 << 16)
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        return json.loads(line)
-
-    def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
-
-    def kill(self, wait_s: float = 30.0) -> None:
-        """SIGKILL the group, then wait until its processes are really gone: the
-        engine's own processes are not our children, and a killed process with a
-        large address space takes a moment to die."""
-        try:
-            members = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            members = []
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        os.close(self._replies)
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and any(_alive(p) for p in members):
-            time.sleep(0.1)
-
-
-def _alive(process: psutil.Process) -> bool:
-    """Running and not yet a zombie (a zombie holds no memory and no core)."""
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def kept_steps(steps: list[dict[str, Any]], batch: int, k: int,
@@ -293,7 +204,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _interleave(engines: dict[str, _Engine], prompts: list[list[int]],
+def _interleave(engines: dict[str, EngineProcess], prompts: list[list[int]],
                 s: DraftStepSettings) -> list[dict[str, Any]]:
     """Every (repeat, batch) on both engines in turn, the order alternating; one
     record per command with all its steps and the kept ones."""
@@ -358,12 +269,15 @@ def run_draft_step(s: DraftStepSettings, out: Path) -> dict[str, Any]:
     configs = check_rows(rows, s.k)  # fails on a missing drafter before anything starts
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="draft-step-") as tmp:
-        engines: dict[str, _Engine] = {}
+        engines: dict[str, EngineProcess] = {}
         try:
             for name in ROWS:
                 job = {"target": s.target, "speculative_config": configs[name],
                        "dtype": s.dtype}
-                engines[name] = _Engine(name, job, Path(tmp), out / f"engine-{name}.log")
+                engines[name] = EngineProcess(
+                    CHILD_MODULE, job, Path(tmp), name, log_file=out / f"engine-{name}.log",
+                    env={ENV: str(Path(tmp) / f"steps-{name}")},
+                    drop_env=("VLLM_CARRYOVER_METRICS_DIR",))  # each engine makes its own
             # while the engines load:
             result: dict[str, Any] = {**header(), "args": asdict(s), "rows": {},
                                       "child_pids": [e.proc.pid for e in engines.values()]}
@@ -437,4 +351,4 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    _child(Path(sys.argv[1]), int(sys.argv[2]))
+    _child()

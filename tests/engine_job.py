@@ -1,7 +1,8 @@
-"""Run one offline vLLM generation in a fresh process and write its results as JSON.
+"""Run one offline vLLM generation in a fresh process and reply with its results.
 
-Tests start engines through this script (`python tests/engine_job.py IN.json
-OUT.json`) so that every engine gets a clean process, as vLLM expects.
+Tests start engines through this script (`engine_runner.run_engine`, over the
+package's `EngineProcess`) so that every engine gets a clean process, as vLLM
+expects.
 Input keys: model, prompts (list of token-id lists), max_tokens, engine (extra
 LLM kwargs, e.g. speculative_config), temperature, seed; optional seeds (one per
 prompt, replacing seed: repeated prompts then sample independently yet reproducibly).
@@ -11,10 +12,9 @@ spec-decode counters), carryover (our counters), seconds.
 
 from __future__ import annotations
 
-import json
-import sys
 import time
-from pathlib import Path
+
+from vllm_carryover.engine_process import child_start
 
 
 def top2(step: dict) -> list[float]:
@@ -23,7 +23,7 @@ def top2(step: dict) -> list[float]:
 
 
 def main() -> None:
-    job = json.loads(Path(sys.argv[1]).read_text())
+    job, reply = child_start()
     from vllm import LLM, SamplingParams
 
     from vllm_carryover.metrics import read_counters, spec_decode_counters
@@ -53,7 +53,7 @@ def main() -> None:
         "carryover": read_counters(),
         "seconds": seconds,
     }
-    Path(sys.argv[2]).write_text(json.dumps(result))
+    reply(result)
 
 
 if __name__ == "__main__":

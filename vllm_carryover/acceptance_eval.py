@@ -11,12 +11,8 @@ in turn, reading vLLM's cumulative spec-decode counters before and after each on
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -24,13 +20,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from vllm_carryover.engine_process import EngineProcess, child_start
 from vllm_carryover.rows import Row, check_rows, file_sha256
-from vllm_carryover.run_settings import REPO, command_line, has_tokenizer, serve_max_model_len
-from vllm_carryover.server_process import die_with_parent
+from vllm_carryover.run_settings import command_line, has_tokenizer, serve_max_model_len
 from vllm_carryover.tau import active_ratios, counter_delta, counter_totals, pooled, tau_table
 
 KV_CACHE_BYTES = 1 << 30
 WARMUP_TOKENS = 8
+ROW_STALL_S = 3 * 3600.0  # a row that says nothing for this long has hung
 
 
 @dataclass
@@ -50,22 +47,13 @@ class EvalSettings:
     timeout_s: float | None = None
 
 
-def _child(job_file: Path, events_file: Path) -> None:
-    """Inside the row's process: one engine, every category in turn, one event per line.
-
-    The process leads its own process group (see run_row); on SIGTERM (also sent
-    when the evaluating process dies) it takes the engine's processes down with it.
-    """
-    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+def _child() -> None:
+    """Inside the row's process (`EngineProcess`): one engine, every category in turn,
+    one reply per event (ready, warmup, each category, done)."""
+    job, emit = child_start()
     from vllm import LLM, SamplingParams
 
     from vllm_carryover.metrics import spec_decode_counters
-
-    job = json.loads(job_file.read_text())
-
-    def emit(event: dict[str, Any]) -> None:
-        with events_file.open("a") as f:
-            f.write(json.dumps(event) + "\n")
 
     engine: dict[str, Any] = {"dtype": job["dtype"], "enforce_eager": True,
                               "max_model_len": serve_max_model_len(job["target"]),
@@ -109,50 +97,26 @@ def _progress_line(name: str, event: dict[str, Any]) -> str:
             f"{event['seconds']:.1f} s = {event['tokens_per_s'] or 0:.1f} tok/s")
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill the row's process and whatever engine processes it left behind."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 def run_row(name: str, config: dict[str, Any] | None, prompts: dict[str, list[list[int]]],
             s: EvalSettings) -> dict[str, Any]:
     """Run one row in a fresh process, printing a line per category as it finishes."""
     job = {"target": s.target, "speculative_config": config, "prompts": prompts,
            "max_tokens": s.max_tokens, "dtype": s.dtype}
-    with tempfile.TemporaryDirectory(prefix="vllm-eval-") as tmp:
-        job_file, events_file, log_file = (Path(tmp) / f for f in
-                                           ("job.json", "events.jsonl", "engine.log"))
-        job_file.write_text(json.dumps(job))
-        events_file.touch()
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-        started = time.monotonic()
-        events: list[dict[str, Any]] = []
-        with log_file.open("w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "vllm_carryover.acceptance_eval", str(job_file),
-                 str(events_file)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                start_new_session=True, preexec_fn=die_with_parent)
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    limit = s.timeout_s or float("inf")
+    events: list[dict[str, Any]] = []
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="vllm-eval-") as tmp, \
+            EngineProcess("vllm_carryover.acceptance_eval", job, Path(tmp), "engine",
+                          env=env) as engine:
+        while not events or events[-1]["event"] != "done":
+            left = limit - (time.monotonic() - started)
             try:
-                while True:
-                    code = proc.poll()
-                    text = events_file.read_text()
-                    lines = text[:text.rfind("\n") + 1].splitlines()  # whole lines only
-                    for line in lines[len(events):]:
-                        events.append(json.loads(line))
-                        if events[-1]["event"] != "done":
-                            print(_progress_line(name, events[-1]), flush=True)
-                    if code is not None:
-                        break
-                    if s.timeout_s and time.monotonic() - started > s.timeout_s:
-                        raise TimeoutError(f"row {name} took over {s.timeout_s:.0f} s")
-                    time.sleep(1.0)
-            finally:
-                _kill_group(proc)
-        if code != 0 or not events or events[-1]["event"] != "done":
-            tail = "\n".join(log_file.read_text().splitlines()[-40:])
-            raise RuntimeError(f"row {name} failed (exit code {code}); log tail:\n{tail}")
+                events.append(engine.receive(min(left, ROW_STALL_S)))
+            except (TimeoutError, RuntimeError) as e:
+                raise type(e)(f"row {name} failed: {e}") from None
+            if events[-1]["event"] != "done":
+                print(_progress_line(name, events[-1]), flush=True)
     by_kind = {e["event"]: e for e in events}
     categories = {e["category"]: {k: v for k, v in e.items() if k not in ("event", "category")}
                   for e in events if e["event"] == "category"}
@@ -201,4 +165,4 @@ def run_eval(rows: list[Row], s: EvalSettings, out: Path,
 
 
 if __name__ == "__main__":
-    _child(Path(sys.argv[1]), Path(sys.argv[2]))
+    _child()
