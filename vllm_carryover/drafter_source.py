@@ -14,7 +14,7 @@ from pathlib import Path
 
 from vllm_carryover.checkpoint import CarryoverConfigError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's configured logger
 
 # What a drafter checkpoint needs: config.json, the weights and a shard index.
 HUB_PATTERNS = ["*.json", "*.safetensors"]
