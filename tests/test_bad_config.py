@@ -47,7 +47,7 @@ from vllm_carryover.speculative_config import translate
 
 def carryover(drafter: Path, **extra: Any) -> dict[str, Any]:
     return {"method": "carryover", "model": str(drafter), "num_speculative_tokens": 4,
-            **extra}
+            "carryover": True, **extra}
 
 
 def edit_config(drafter: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
@@ -288,6 +288,23 @@ def test_wrong_type_for_a_vllm_key_is_refused_in_one_line(smollm2, random_drafte
 def test_engine_config_refuses_what_the_validator_refuses(smollm2, random_drafter):
     with pytest.raises(CarryoverConfigError, match=r"unknown key\(s\) \['bogus'\]"):
         engine_config(smollm2, carryover(random_drafter, bogus=1))
+
+
+def test_drafter_shorter_than_the_serving_length_is_warned_about_at_startup(
+        smollm2, random_drafter, tmp_path, monkeypatch):
+    from vllm_carryover import speculative_config as sc
+
+    short = Path(shutil.copytree(random_drafter, tmp_path / "short"))
+    cfg = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 512}))
+    warned: list[str] = []
+    monkeypatch.setattr(sc.logger, "warning", lambda fmt, *args: warned.append(fmt % args))
+    engine_config(smollm2, carryover(random_drafter))
+    assert warned == []
+    engine_config(smollm2, carryover(short))
+    assert len(warned) == 1
+    assert "length limit (512 tokens" in warned[0] and "max_model_len (1024)" in warned[0]
+    assert "--max-model-len 512" in warned[0]
 
 
 # -- the CLI exception hook --------------------------------------------------------------

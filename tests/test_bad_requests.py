@@ -100,7 +100,8 @@ def encode(body: dict[str, Any] | list[Any] | bytes, model: str) -> bytes:
 @pytest.fixture(scope="module")
 def answers(smollm2: Path, random_drafter: Path,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Answers]:
-    spec = {"method": "carryover", "model": str(random_drafter), "num_speculative_tokens": 4}
+    spec = {"method": "carryover", "model": str(random_drafter), "num_speculative_tokens": 4,
+            "carryover": True}
     log = tmp_path_factory.mktemp("bad_requests") / "serve.log"
     with VllmServer(smollm2, log, speculative_config=spec, dtype="float32",
                     max_model_len=MAX_MODEL_LEN, start_timeout=STARTUP_TIMEOUT_S) as server, \

@@ -14,6 +14,7 @@ import pytest
 import torch
 from checkpoint_layouts import TARGET_STUB, hub_cache_layout, shard_drafter
 
+from vllm_carryover.acceptance_eval import weights_sha256
 from vllm_carryover.checkpoint import (
     CarryoverConfigError,
     has_rejected_embedding,
@@ -38,7 +39,8 @@ def offline_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def spec_for(model: str, **extra: object) -> dict[str, object]:
-    return {"method": "carryover", "model": model, "num_speculative_tokens": 4, **extra}
+    return {"method": "carryover", "model": model, "num_speculative_tokens": 4, "carryover": True,
+            **extra}
 
 
 def test_hub_id_is_told_apart_from_a_path(tmp_path):
@@ -84,3 +86,15 @@ def test_sharded_checkpoint_loads_and_validates_like_one_file(stub_drafter, tmp_
     _, parts = load_drafter_state(sharded)
     assert whole.keys() == parts.keys()
     assert all(torch.equal(whole[name], parts[name]) for name in whole)
+
+
+def test_sharded_checkpoint_gets_a_weights_hash_that_changes_with_any_shard(stub_drafter,
+                                                                            tmp_path):
+    sharded = Path(shutil.copytree(stub_drafter, tmp_path / "sharded"))
+    shards = shard_drafter(sharded, parts=2)
+    before = weights_sha256(sharded)
+    assert before is not None and before != weights_sha256(stub_drafter)
+    last = sharded / shards[-1]
+    last.write_bytes(last.read_bytes() + b" ")
+    assert weights_sha256(sharded) not in (None, before)
+    assert weights_sha256(tmp_path / "no-drafter") is None

@@ -36,7 +36,8 @@ def drafts_by_prompt(tmp: Path, target: Path, drafter: Path, prompts: list[list[
                      order: list[int], max_num_seqs: int, name: str
                      ) -> tuple[dict[tuple[int, int], tuple[int, torch.Tensor]], list]:
     """Run `prompts[order]` and key each draft by (prompt index, block start position)."""
-    spec = {"method": "carryover", "model": str(drafter), "num_speculative_tokens": K}
+    spec = {"method": "carryover", "model": str(drafter), "num_speculative_tokens": K,
+            "carryover": True}
     job = {"model": str(target), "prompts": [prompts[i] for i in order],
            "max_tokens": MAX_TOKENS,
            "engine": {"speculative_config": spec, "max_num_seqs": max_num_seqs,

@@ -45,7 +45,8 @@ def generate(smollm2: Path, prompts: list[list[int]], workdir: Path, name: str,
               "enable_chunked_prefill": True}
     if drafter is not None:
         engine["speculative_config"] = {"method": "carryover", "model": str(drafter),
-                                        "num_speculative_tokens": k, **spec_keys}
+                                        "num_speculative_tokens": k, "carryover": True,
+                                        **spec_keys}
     return run_engine({"model": str(smollm2), "prompts": prompts, "max_tokens": max_tokens,
                        "engine": engine}, workdir, name, env=env)
 

@@ -173,7 +173,7 @@ def ray_server(smollm2: Path, trained_drafter: Path, reference: Future[dict],
     ray_tmpdir = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
     workdir = tmp_path_factory.mktemp("ray_serve")
     spec = {"method": "carryover", "model": str(trained_drafter),
-            "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+            "num_speculative_tokens": NUM_SPECULATIVE_TOKENS, "carryover": True}
     server = VllmServer(smollm2, workdir / "serve.log", speculative_config=spec,
                         dtype="float32", max_model_len=1024, start_timeout=STARTUP_TIMEOUT_S,
                         extra_args=["--distributed-executor-backend", "ray"],

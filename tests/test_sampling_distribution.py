@@ -216,7 +216,8 @@ def engine_samples(models, tmp_path_factory) -> dict[str, dict]:
     engine = {"max_num_seqs": 512, "max_num_batched_tokens": 8192, "block_size": 32,
               "max_model_len": 64, "kv_cache_memory_bytes": 1 << 26,
               "distributed_executor_backend": "uni"}
-    spec = {"method": "carryover", "model": str(drafter), "num_speculative_tokens": K}
+    spec = {"method": "carryover", "model": str(drafter), "num_speculative_tokens": K,
+            "carryover": True}
     jobs = {
         "none": {"engine": engine, "seeds": list(range(N))},
         "carryover": {"engine": {**engine, "speculative_config": spec},

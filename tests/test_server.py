@@ -46,7 +46,7 @@ class Server:
 def server(smollm2: Path, random_drafter: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     spec = {"method": "carryover", "model": str(random_drafter),
-            "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+            "num_speculative_tokens": NUM_SPECULATIVE_TOKENS, "carryover": True}
     log = tmp_path_factory.mktemp("vllm_serve") / "serve.log"
     with VllmServer(smollm2, log, speculative_config=spec, dtype="float32",
                     max_model_len=1024, start_timeout=STARTUP_TIMEOUT_S) as proc:

@@ -60,7 +60,7 @@ def test_soak_with_aborts_and_preemption_keeps_outputs_and_memory(
     warmup = make_requests(smollm2, WARMUP_REQUESTS, seed=1)
     soak = make_requests(smollm2, NUM_REQUESTS, seed=2)
     spec = {"method": "carryover", "model": str(trained_drafter),
-            "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+            "num_speculative_tokens": NUM_SPECULATIVE_TOKENS, "carryover": True}
     log = tmp_path / "serve.log"
     reference_job = {"model": str(smollm2), "prompts": [r.prompt for r in soak],
                      "max_tokens": MAX_TOKENS, "engine": {"max_model_len": MAX_MODEL_LEN}}

@@ -52,6 +52,8 @@ def eval_parser() -> argparse.ArgumentParser:
     ("none", "none", None),
     ("ng=ngram", "ng", {"method": "ngram", "num_speculative_tokens": K,
                         "prompt_lookup_min": 2, "prompt_lookup_max": 4}),
+    ("on=carryover:/d", "on", {"method": "carryover", "model": "/d",
+                               "num_speculative_tokens": K, "carryover": True}),
     ("off=carryover-off:/d", "off", {"method": "carryover", "model": "/d",
                                      "num_speculative_tokens": K, "carryover": False}),
     ("dflash:/d", "dflash", {"method": "dflash", "model": "/d", "num_speculative_tokens": K}),

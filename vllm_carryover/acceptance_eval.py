@@ -11,6 +11,7 @@ in turn, reading vLLM's cumulative spec-decode counters before and after each on
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -20,8 +21,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from vllm_carryover.checkpoint import CarryoverConfigError, weight_files
 from vllm_carryover.engine_process import EngineProcess, child_start
-from vllm_carryover.rows import Row, check_rows, file_sha256
+from vllm_carryover.rows import Row, check_rows
 from vllm_carryover.run_settings import command_line, has_tokenizer, serve_max_model_len
 from vllm_carryover.tau import active_ratios, counter_delta, counter_totals, pooled, tau_table
 
@@ -127,6 +129,22 @@ def run_row(name: str, config: dict[str, Any] | None, prompts: dict[str, list[li
             "engine_counters": counter_totals(by_kind["done"]["engine_counters"])}
 
 
+def weights_sha256(folder: Path) -> str | None:
+    """sha256 over a drafter folder's weight files (one, or every shard in order),
+    recorded per row because checkpoint folders get retrained and exported in place;
+    None for a row without a local drafter folder (none, ngram, a hub id)."""
+    if not (folder / "config.json").is_file():
+        return None
+    try:
+        files = weight_files(folder)
+    except CarryoverConfigError:
+        return None
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.read_bytes())
+    return digest.hexdigest()
+
+
 def run_eval(rows: list[Row], s: EvalSettings, out: Path,
              prompts: dict[str, list[list[int]]]) -> dict[str, Any]:
     """Evaluate every row (one process each, one after another) on `prompts`, by
@@ -149,9 +167,8 @@ def run_eval(rows: list[Row], s: EvalSettings, out: Path,
     out.parent.mkdir(parents=True, exist_ok=True)
     for row in rows:
         config = configs[row.name]
-        model = Path((config or {}).get("model", "")) / "model.safetensors"
         res = {"spec": row.spec, "speculative_config": config,
-               "drafter_sha256": file_sha256(model) if model.is_file() else None,
+               "drafter_sha256": weights_sha256(Path((config or {}).get("model", ""))),
                **run_row(row.name, config, prompts, s)}
         result["rows"][row.name] = res
         total = res["total"]

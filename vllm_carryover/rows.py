@@ -9,7 +9,6 @@ config here, checked before any engine starts.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ rows: --row NAME=SPEC (repeatable; the table shows them in this order). SPEC is
   none                 no speculation (target alone)
   ngram                vLLM's n-gram prompt lookup (min 2, max 4 tokens), K drafts
   dflash:PATH          vLLM's in-tree DFlash on a drafter folder
-  carryover:PATH       method "carryover" on a drafter folder, carryover on
+  carryover:PATH       method "carryover" on a drafter folder, "carryover": true
   carryover-off:PATH   the same with "carryover": false (the matched baseline; the
                        only baseline row for a drafter with a Markov head, which
                        in-tree dflash cannot serve)
@@ -110,8 +109,8 @@ def speculative_config(spec: str, k: int) -> dict[str, Any] | None:
     kind, _, path = spec.partition(":")
     cfg = {"method": "dflash" if kind == "dflash" else "carryover",
            "model": str(resolve_path(path)), "num_speculative_tokens": k}
-    if kind == "carryover-off":
-        cfg["carryover"] = False
+    if kind != "dflash":
+        cfg["carryover"] = kind == "carryover"
     return cfg
 
 
@@ -130,9 +129,4 @@ def check_rows(rows: list[Row], k: int) -> dict[str, dict[str, Any] | None]:
             raise SystemExit(f"row {name}: no drafter folder at {model} (config.json "
                              "missing); train and export it, or pass --row")
     return configs
-
-
-def file_sha256(path: Path) -> str:
-    """Recorded per drafter: checkpoint folders get retrained and exported in place."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 

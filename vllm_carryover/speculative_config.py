@@ -8,19 +8,27 @@ the proposer reads them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from vllm_carryover.checkpoint import CarryoverConfigError, validate_drafter
+from vllm_carryover.checkpoint import (
+    CarryoverConfigError,
+    has_rejected_embedding,
+    validate_drafter,
+)
 from vllm_carryover.drafter_source import resolve_drafter
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's configured logger
 
 METHOD = "carryover"
 HF_ATTR = "carryover_runtime"
 
 # Our own keys, with their meaning (shown in errors and the README).
 CARRYOVER_KEYS: dict[str, str] = {
-    "carryover": "true (default): the next draft attends to the rejected states of "
-    "the last verify step; false: plain DFlash drafting on the same weights",
+    "carryover": "true: the next draft attends to the rejected states of the last "
+    "verify step; false: plain DFlash drafting on the same weights; default: true if "
+    "the drafter has a rejected_embedding (was trained to read carried states)",
 }
 # vLLM's keys that make sense for a carryover drafter.
 VLLM_KEYS: tuple[str, ...] = (
@@ -69,8 +77,8 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
             f"unknown key(s) {unknown} in the carryover speculative config; "
             f"allowed keys: {', '.join(ALLOWED_KEYS)}"
         )
-    enabled = spec.pop("carryover", True)
-    if not isinstance(enabled, bool):
+    enabled = spec.pop("carryover", None)
+    if enabled is not None and not isinstance(enabled, bool):
         raise CarryoverConfigError(
             f"'carryover' must be true or false, got {enabled!r}")
     if spec.get("disable_padded_drafter_batch"):
@@ -97,8 +105,44 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
     drafter = validate_drafter(folder, target_hf_config, k)
     if k is None:
         spec["num_speculative_tokens"] = drafter.block_size - 1
+    if enabled is None:
+        enabled = default_enabled(folder)
     spec["method"] = "dflash"
     return spec, CarryoverSettings(enabled=enabled)
+
+
+def default_enabled(folder: Any) -> bool:
+    """Carryover on by default only for a drafter trained to read carried states.
+
+    A checkpoint without `rejected_embedding` (plain DFlash, or trained without
+    carried states) would read rejected keys it never saw in training, unmarked:
+    measured on the shipped baselines, tau with carryover on is 0.995-0.998x off
+    (docs/results.md), so off is the default there.
+    """
+    trained = has_rejected_embedding(folder)
+    logger.info(
+        "Carryover %s by default: the drafter %s rejected_embedding%s; set "
+        "\"carryover\": %s in the speculative config to override",
+        "on" if trained else "off", "has a" if trained else "has no",
+        "" if trained else " (it was not trained to read carried states)",
+        "false" if trained else "true")
+    return trained
+
+
+def short_drafter_warning(drafter_len: int, serving_len: int, k: int) -> str | None:
+    """Why a drafter whose length limit is below the serving `max_model_len` hurts.
+
+    vLLM's V1 runner stops drafting for the whole batch once its longest request
+    is within K + 1 tokens of the drafter's limit (`_input_fits_in_drafter`) and
+    has the target verify K dummy tokens per request instead."""
+    if drafter_len >= serving_len:
+        return None
+    return (
+        f"the carryover drafter's length limit ({drafter_len} tokens, its config.json "
+        f"max_position_embeddings) is below the serving max_model_len ({serving_len}): "
+        f"once any request in a batch passes {drafter_len - k - 1} tokens, vLLM drafts "
+        "nothing for the whole batch and verifies dummy tokens; export the drafter with "
+        f"the target's limit or serve with --max-model-len {drafter_len}")
 
 
 def vllm_refusal(error: Any) -> CarryoverConfigError:

@@ -8,7 +8,8 @@ whose meaning may change between releases.
    validate it against the target, and hand vLLM a DFlash config; vLLM's own
    refusal of that config (a pydantic ValidationError) becomes a one-line
    `CarryoverConfigError`, and so does a vLLM that would reserve fewer KV slots
-   past the verified tokens than the slot and the next block need.
+   past the verified tokens than the slot and the next block need; a drafter
+   whose length limit is below the serving `max_model_len` is warned about.
 2. `DFlashProposer.__new__`: build a `CarryoverProposer` when the drafter's
    config asks for carryover (isinstance checks on DFlashProposer still hold).
 3. `ModelRegistry`: register the `CarryoverDraftModel` architecture.
@@ -78,6 +79,11 @@ def _patch_engine_args() -> None:
             self.speculative_config = user_spec  # re-entrant: a second call sees carryover
         sc.attach(config, settings)
         check_kv_lookahead(config)
+        warning = sc.short_drafter_warning(config.draft_model_config.max_model_len,
+                                           target_model_config.max_model_len,
+                                           config.num_speculative_tokens)
+        if warning:
+            sc.logger.warning("%s", warning)
         return config
 
     create_speculative_config._carryover = True  # type: ignore[attr-defined]
