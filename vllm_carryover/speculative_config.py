@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from vllm_carryover.checkpoint import (
@@ -111,7 +112,7 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
     return spec, CarryoverSettings(enabled=enabled)
 
 
-def default_enabled(folder: Any) -> bool:
+def default_enabled(folder: Path) -> bool:
     """Carryover on by default only for a drafter trained to read carried states.
 
     A checkpoint without `rejected_embedding` (plain DFlash, or trained without
@@ -119,14 +120,14 @@ def default_enabled(folder: Any) -> bool:
     measured on the shipped baselines, tau with carryover on is 0.995-0.998x off
     (docs/results.md), so off is the default there.
     """
-    trained = has_rejected_embedding(folder)
-    logger.info(
-        "Carryover %s by default: the drafter %s rejected_embedding%s; set "
-        "\"carryover\": %s in the speculative config to override",
-        "on" if trained else "off", "has a" if trained else "has no",
-        "" if trained else " (it was not trained to read carried states)",
-        "false" if trained else "true")
-    return trained
+    if has_rejected_embedding(folder):
+        logger.info("Carryover on by default: the drafter has a rejected_embedding; set "
+                    "\"carryover\": false in the speculative config to turn it off")
+        return True
+    logger.info("Carryover off by default: the drafter has no rejected_embedding (it was "
+                "not trained to read carried states); set \"carryover\": true in the "
+                "speculative config to turn it on")
+    return False
 
 
 def short_drafter_warning(drafter_len: int, serving_len: int, k: int) -> str | None:
