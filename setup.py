@@ -2,7 +2,14 @@
 
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import setup
+
+# The repository keeps its tool folders at the top (kernels/, train/, benchmarks/), but
+# they install under the plugin's own name (`vllm_carryover.train`, ...): a top-level
+# `train` would shadow any other on the system, and `kernels` is also a Hugging Face
+# package on PyPI that transformers imports. `python -m train` still works inside the
+# repository (its __main__ only launches `vllm_carryover.train.main`).
+TOOL_FOLDERS = ("kernels", "train", "benchmarks")
 
 setup(
     name="vllm-carryover",
@@ -11,7 +18,8 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["vllm_carryover*", "kernels*", "train*", "benchmarks*"]),
+    packages=["vllm_carryover", *(f"vllm_carryover.{folder}" for folder in TOOL_FOLDERS)],
+    package_dir={f"vllm_carryover.{folder}": folder for folder in TOOL_FOLDERS},
     include_package_data=True,
     install_requires=[
         "safetensors",
@@ -35,6 +43,9 @@ setup(
     },
     entry_points={
         "vllm.general_plugins": ["carryover = vllm_carryover:register"],
-        "console_scripts": ["vllm-carryover-init-drafter = vllm_carryover.init_drafter:main"],
+        "console_scripts": [
+            "vllm-carryover = vllm_carryover.console:main",
+            "vllm-carryover-init-drafter = vllm_carryover.init_drafter:main",
+        ],
     },
 )

@@ -1,26 +1,9 @@
-"""`python -m benchmarks {acceptance,serving,draft-step}`: carryover side by side with
-what users would run instead, through real vLLM, on the same prompts in one run."""
+"""`python -m benchmarks` in the repository, `python -m vllm_carryover.benchmarks` anywhere.
 
-from __future__ import annotations
+Only a launcher: the package installs as `vllm_carryover.benchmarks`, so everything,
+this entry included, imports it under that one name (see `main.py`).
+"""
 
-import argparse
+from vllm_carryover.benchmarks.main import main
 
-from benchmarks import acceptance, draft_step, serving
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks", description=__doc__,
-        epilog="Each subcommand has --quick (a few minutes, for smoke checks) and --help.\n"
-        "Results: a JSON file, a markdown summary and PNG plots in --out.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    acceptance.add_cli(sub)
-    serving.add_cli(sub)
-    draft_step.add_cli(sub)
-    args = parser.parse_args(argv)
-    args.fn(args)
-
-
-if __name__ == "__main__":
-    main()
+main()

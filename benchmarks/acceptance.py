@@ -20,9 +20,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cli import row_benchmark_parser
-from benchmarks.eval_prompts import chat_token_ids, heldout_prompts
-from benchmarks.report import (
+from vllm_carryover.benchmarks.cli import row_benchmark_parser
+from vllm_carryover.benchmarks.eval_prompts import chat_token_ids, heldout_prompts
+from vllm_carryover.benchmarks.report import (
     default_dtype,
     default_out_dir,
     fmt,
@@ -31,7 +31,8 @@ from benchmarks.report import (
     pyplot,
     write_json,
 )
-from train.prompts import CATEGORIES
+from vllm_carryover.train.prompts import CATEGORIES
+
 from vllm_carryover.acceptance_eval import EvalSettings, run_eval
 from vllm_carryover.rows import Row, parse_ratio, parse_row
 from vllm_carryover.run_settings import REPO, SHIPPED_DRAFTERS, resolve_target

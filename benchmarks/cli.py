@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from benchmarks.report import DTYPE_HELP, DTYPES
-from train.prompts import CATEGORIES
+from vllm_carryover.benchmarks.report import DTYPE_HELP, DTYPES
+from vllm_carryover.train.prompts import CATEGORIES
+
 from vllm_carryover.rows import parse_row, rows_help
 
 

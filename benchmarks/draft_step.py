@@ -34,8 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from benchmarks.report import (
+from vllm_carryover.benchmarks.report import (
     DTYPE_HELP,
     DTYPES,
     default_dtype,
@@ -47,6 +46,7 @@ from benchmarks.report import (
     ratio,
     write_json,
 )
+
 from vllm_carryover.engine_process import EngineProcess, child_commands, child_start
 from vllm_carryover.rows import check_rows, parse_row
 from vllm_carryover.run_settings import (
@@ -59,7 +59,7 @@ from vllm_carryover.step_timer import ENV, read_steps
 
 SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 
-CHILD_MODULE = "benchmarks.draft_step"
+CHILD_MODULE = "vllm_carryover.benchmarks.draft_step"
 DEFAULT_DRAFTER = SMOLLM2 / "carryover"
 ROWS = ("on", "off")
 KV_CACHE_BYTES = 1 << 30
@@ -102,7 +102,7 @@ class DraftStepSettings:
 def _interleaved_prompts(target: str, n: int) -> list[list[int]]:
     """`n` held-out prompts as chat token ids, categories round-robin, so even a
     small batch mixes every category."""
-    from benchmarks.eval_prompts import chat_token_ids, heldout_prompts
+    from vllm_carryover.benchmarks.eval_prompts import chat_token_ids, heldout_prompts
 
     per_category = chat_token_ids(target, heldout_prompts(PROMPTS_PER_CATEGORY))
     mixed = [p for group in zip(*per_category.values(), strict=True) for p in group]

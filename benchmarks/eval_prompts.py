@@ -11,7 +11,7 @@ their training data.
 
 from __future__ import annotations
 
-from train.prompts import CATEGORIES, Prompt, build_prompts, prompt_token_ids
+from vllm_carryover.train.prompts import CATEGORIES, Prompt, build_prompts, prompt_token_ids
 
 
 def heldout_prompts(num_per_category: int, categories: tuple[str, ...] = CATEGORIES,

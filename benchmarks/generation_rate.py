@@ -36,8 +36,8 @@ def main() -> None:
     a = p.parse_args()
 
     from vllm import LLM, SamplingParams
+    from vllm_carryover.train.prompts import build_prompts, prompt_token_ids
 
-    from train.prompts import build_prompts, prompt_token_ids
     from vllm_carryover.dtype import resolve_dtype
     from vllm_carryover.testbed import smollm2_path
 

@@ -3,7 +3,8 @@
     python benchmarks/kernels_gpu.py --tune --out results/kernels_gpu.json  # on a CUDA GPU
     python benchmarks/kernels_gpu.py --smoke --out /tmp/smoke.json          # anywhere (tiny)
 
-Needs only torch and triton (no vLLM). For every shape it first checks the
+Needs only torch, triton and this project installed (`pip install --no-deps -e .`;
+no vLLM). For every shape it first checks the
 Triton kernels against their references, then times them with CUDA events
 (median over --reps, L2 flushed before each rep) and reports achieved GB/s and
 TFLOP/s against the H200's ~4.3 TB/s copy bandwidth and ~790 bf16 TFLOP/s.
@@ -44,7 +45,6 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
 PEAK_GBPS, PEAK_TFLOPS = 4300.0, 790.0  # H200: measured copy bandwidth, dense bf16
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}  # atol = rtol
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -133,7 +133,7 @@ def project_unfused(
     states: torch.Tensor, positions: torch.Tensor, rejected_rows: torch.Tensor | None, w: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The context path as separate PyTorch ops per layer (K and V GEMMs each)."""
-    from kernels.carryover_projection import apply_rope, rms_norm
+    from vllm_carryover.kernels.carryover_projection import apply_rope, rms_norm
 
     n, hidden = states.shape
     x = rms_norm(states, w.hidden_norm_weight, w.eps)
@@ -182,15 +182,15 @@ def attention_unfused(pb: Any, causal: bool) -> torch.Tensor:
 
 
 def bench_projection(args: argparse.Namespace, device: torch.device, timer: Timer) -> list[dict]:
-    from kernels.carryover_projection import (
+    from vllm_carryover.kernels.carryover_projection import (
         project_context_kv_into_cache_reference,
         project_context_kv_reference,
     )
-    from kernels.carryover_projection_triton import (
+    from vllm_carryover.kernels.carryover_projection_triton import (
         project_context_kv_into_cache_triton,
         project_context_kv_triton,
     )
-    from kernels.testing import random_projection_weights, random_verify_rows
+    from vllm_carryover.kernels.testing import random_projection_weights, random_verify_rows
 
     gen = torch.Generator(device=device).manual_seed(0)
     w = random_projection_weights(gen, hidden=args.hidden, num_layers=args.layers,
@@ -253,9 +253,9 @@ def bench_projection(args: argparse.Namespace, device: torch.device, timer: Time
 
 
 def bench_attention(args: argparse.Namespace, device: torch.device, timer: Timer) -> list[dict]:
-    from kernels.carryover_attention import carryover_attention_reference
-    from kernels.carryover_attention_triton import carryover_attention_triton
-    from kernels.testing import random_paged_batch
+    from vllm_carryover.kernels.carryover_attention import carryover_attention_reference
+    from vllm_carryover.kernels.carryover_attention_triton import carryover_attention_triton
+    from vllm_carryover.kernels.testing import random_paged_batch
 
     gen = torch.Generator(device=device).manual_seed(1)
     elem = torch.tensor([], dtype=args.dtype).element_size()
@@ -338,11 +338,15 @@ def time_configs(timer: Timer, configs: list[dict[str, int]],
 
 def tune(args: argparse.Namespace, device: torch.device, timer: Timer) -> dict[str, Any]:
     """Tile sweeps for the heuristics: projection at batch 32, attention at 32 x 2048."""
-    from kernels.carryover_attention import carryover_attention_reference
-    from kernels.carryover_attention_triton import attention_launches
-    from kernels.carryover_projection import project_context_kv_reference
-    from kernels.carryover_projection_triton import projection_launches
-    from kernels.testing import random_paged_batch, random_projection_weights, random_verify_rows
+    from vllm_carryover.kernels.carryover_attention import carryover_attention_reference
+    from vllm_carryover.kernels.carryover_attention_triton import attention_launches
+    from vllm_carryover.kernels.carryover_projection import project_context_kv_reference
+    from vllm_carryover.kernels.carryover_projection_triton import projection_launches
+    from vllm_carryover.kernels.testing import (
+        random_paged_batch,
+        random_projection_weights,
+        random_verify_rows,
+    )
 
     gen = torch.Generator(device=device).manual_seed(2)
     batch, context = (2, 10) if args.smoke else (32, 2048)
@@ -413,7 +417,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         # Read by Triton when each kernel module is imported, so set before any import.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    sys.path.insert(0, str(REPO))
     device = torch.device("cuda" if cuda else "cpu")
     timer = Timer(device, args.reps, args.warmup)
 

@@ -18,8 +18,13 @@ import time
 from pathlib import Path
 
 import psutil
+from vllm_carryover.benchmarks.soak_workload import (
+    KV_CACHE_BYTES,
+    MAX_MODEL_LEN,
+    drive,
+    make_requests,
+)
 
-from benchmarks.soak_workload import KV_CACHE_BYTES, MAX_MODEL_LEN, drive, make_requests
 from vllm_carryover.server_process import VllmServer
 from vllm_carryover.testbed import smollm2_path
 

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cli import row_benchmark_parser
-from benchmarks.eval_prompts import chat_texts, heldout_prompts
-from benchmarks.report import (
+from vllm_carryover.benchmarks.cli import row_benchmark_parser
+from vllm_carryover.benchmarks.eval_prompts import chat_texts, heldout_prompts
+from vllm_carryover.benchmarks.report import (
     default_dtype,
     default_out_dir,
     fmt,
@@ -35,7 +35,8 @@ from benchmarks.report import (
     ratio,
     write_json,
 )
-from train.prompts import CATEGORIES
+from vllm_carryover.train.prompts import CATEGORIES
+
 from vllm_carryover.rows import Row, check_rows, parse_row
 from vllm_carryover.run_settings import (
     REPO,

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-
-from benchmarks.chat_prompts import QUESTIONS
+from vllm_carryover.benchmarks.chat_prompts import QUESTIONS
 
 CONCURRENCY = 32
 ABORT_FRACTION = 0.2

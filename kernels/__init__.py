@@ -26,9 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from kernels.carryover_attention import carryover_attention_reference
-from kernels.carryover_projection import (
+from vllm_carryover.kernels.carryover_attention import carryover_attention_reference
+from vllm_carryover.kernels.carryover_projection import (
     ContextProjectionWeights,
     apply_rope,
     project_context_kv_into_cache_reference,
@@ -63,8 +62,8 @@ def use_kernels(backend: str) -> None:
         raise ValueError(f"{ENV_VAR}/use_kernels: unknown backend {backend!r}; "
                          f"choose one of {', '.join(BACKENDS)}")
     if backend == "triton":
-        from kernels.carryover_attention_triton import carryover_attention_triton
-        from kernels.carryover_projection_triton import (
+        from vllm_carryover.kernels.carryover_attention_triton import carryover_attention_triton
+        from vllm_carryover.kernels.carryover_projection_triton import (
             project_context_kv_into_cache_triton,
             project_context_kv_triton,
         )

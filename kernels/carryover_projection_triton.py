@@ -33,8 +33,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-
-from kernels.carryover_projection import ContextProjectionWeights
+from vllm_carryover.kernels.carryover_projection import ContextProjectionWeights
 
 
 @triton.jit

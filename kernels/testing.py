@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from kernels.carryover_projection import ContextProjectionWeights
+from vllm_carryover.kernels.carryover_projection import ContextProjectionWeights
 
 
 def rope_cos_sin_cache(max_position: int, rotary_dim: int, base: float = 1e6,

@@ -19,16 +19,16 @@ import re
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels.carryover_attention_triton import Launch, attention_launches
-from kernels.carryover_projection_triton import projection_launches
-from kernels.testing import random_paged_batch, random_projection_weights, random_verify_rows
+from vllm_carryover.kernels.carryover_attention_triton import Launch, attention_launches
+from vllm_carryover.kernels.carryover_projection_triton import projection_launches
+from vllm_carryover.kernels.testing import (
+    random_paged_batch,
+    random_projection_weights,
+    random_verify_rows,
+)
 
 ARCH = 90  # sm_90: H100 / H200
 

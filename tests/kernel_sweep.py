@@ -18,14 +18,15 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
+from vllm_carryover.kernels.testing import (
+    random_paged_batch,
+    random_projection_weights,
+    random_verify_rows,
+)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kernels
-from kernels.testing import random_paged_batch, random_projection_weights, random_verify_rows
+from vllm_carryover import kernels
 
 DTYPES = (torch.float32, torch.float16)
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2}  # atol = rtol

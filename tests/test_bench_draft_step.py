@@ -14,8 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
-
-from benchmarks.draft_step import add_cli
+from vllm_carryover.benchmarks.draft_step import add_cli
 
 DRAFTER = (Path(__file__).resolve().parent.parent / "train" / "checkpoints"
            / "smollm2-135m-instruct" / "carryover")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+from vllm_carryover.benchmarks.main import main as benchmarks_main
 
-from benchmarks.__main__ import main as benchmarks_main
 from vllm_carryover.run_settings import SHIPPED_DRAFTERS
 
 CARRYOVER = f"carryover=carryover:{SHIPPED_DRAFTERS / 'carryover'}"

@@ -2,7 +2,8 @@
 benchmarks use nothing of `train/` but its prompt sets.
 
 The graph is read from the source (every `import`, at module level or inside a
-function), over the project's packages: vllm_carryover, kernels, train, benchmarks.
+function), over the project's folders: vllm_carryover/, and kernels/, train/ and
+benchmarks/, which install as vllm_carryover.kernels, .train and .benchmarks.
 """
 
 from __future__ import annotations
@@ -11,13 +12,26 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("vllm_carryover", "kernels", "train", "benchmarks")
+PLUGIN = "vllm_carryover"
+TOOL_FOLDERS = ("kernels", "train", "benchmarks")  # setup.py's package-directory mapping
+PACKAGES = (PLUGIN, *TOOL_FOLDERS)
 TEST_MODULES = {p.stem for p in (REPO / "tests").glob("*.py")}
+KERNELS, TRAIN, BENCHMARKS = (f"{PLUGIN}.{folder}" for folder in TOOL_FOLDERS)
 
 
 def module_name(path: Path) -> str:
+    """The installed name of a source file: kernels/x.py is vllm_carryover.kernels.x."""
     parts = path.relative_to(REPO).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join((PLUGIN, *parts) if parts[0] in TOOL_FOLDERS else parts)
+
+
+def source_path(module: str) -> Path:
+    """Where an installed name's source lives (the inverse of module_name), without suffix."""
+    parts = module.split(".")
+    if len(parts) > 1 and parts[0] == PLUGIN and parts[1] in TOOL_FOLDERS:
+        parts = parts[1:]
+    return REPO.joinpath(*parts)
 
 
 def imports_of(path: Path) -> set[str]:
@@ -30,8 +44,8 @@ def imports_of(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for a in node.names:
                 sub = f"{node.module}.{a.name}"
-                is_module = (REPO / sub.replace(".", "/")).with_suffix(".py").is_file() or (
-                    REPO / sub.replace(".", "/") / "__init__.py").is_file()
+                is_module = (source_path(sub).with_suffix(".py").is_file()
+                             or (source_path(sub) / "__init__.py").is_file())
                 out.add(sub if is_module else node.module)
     return out
 
@@ -71,19 +85,23 @@ def test_there_are_no_import_cycles() -> None:
 
 # What the benchmarks may use of train/: the held-out prompts (its public face).
 # Everything else they share with train/ lives in vllm_carryover/.
-BENCHMARKS_MAY_USE_OF_TRAIN = {"train.prompts"}
+BENCHMARKS_MAY_USE_OF_TRAIN = {f"{TRAIN}.prompts"}
+
+
+def within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
 def test_benchmarks_use_only_the_prompt_sets_of_train() -> None:
     graph = project_graph()
     for module, imports in graph.items():
-        if module.split(".")[0] == "benchmarks":
-            of_train = {i for i in imports if i.split(".")[0] == "train"}
+        if within(module, BENCHMARKS):
+            of_train = {i for i in imports if within(i, TRAIN)}
             assert of_train <= BENCHMARKS_MAY_USE_OF_TRAIN, (module, of_train)
 
 
 def test_the_plugin_imports_neither_train_nor_benchmarks() -> None:
     graph = project_graph()
     for module, imports in graph.items():
-        if module.split(".")[0] in ("vllm_carryover", "kernels"):
-            assert not {i for i in imports if i.split(".")[0] in ("train", "benchmarks")}, module
+        if not (within(module, TRAIN) or within(module, BENCHMARKS)):
+            assert not {i for i in imports if within(i, TRAIN) or within(i, BENCHMARKS)}, module

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm_carryover.kernels.testing import random_paged_batch
 
-import kernels
-from kernels.testing import random_paged_batch
+from vllm_carryover import kernels
 
 TESTS = Path(__file__).resolve().parent
 INTERPRETED = {"TRITON_INTERPRET": "1", "VLLM_CARRYOVER_KERNELS": "triton"}
@@ -72,7 +72,8 @@ def test_dispatcher_uses_the_reference_on_a_machine_without_gpu() -> None:
 
 def test_dispatcher_override_switches_every_entry_point_and_rejects_unknown_names() -> None:
     proc = run_interpreted("-c", (
-        "import kernels, kernels.carryover_projection_triton as p;"
+        "from vllm_carryover import kernels;"
+        "import vllm_carryover.kernels.carryover_projection_triton as p;"
         "from triton.runtime.interpreter import InterpretedFunction as I;"
         "assert kernels.backend() == 'triton', kernels.backend();"
         "assert isinstance(p._project_context_kv_kernel, I);"

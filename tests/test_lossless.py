@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from checkpoint_layouts import hub_cache_layout, shard_drafter
 from engine_runner import run_engine
+from vllm_carryover.benchmarks.chat_prompts import QUESTIONS
 
-from benchmarks.chat_prompts import QUESTIONS
 from vllm_carryover.dtype import cpu_has_native_bf16
 
 MAX_TOKENS = 64

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
+from vllm_carryover.kernels import project_context_kv_reference
 
-from kernels import project_context_kv_reference
 from vllm_carryover.checkpoint import DrafterConfig, make_config_dict, random_state_dict
 from vllm_carryover.torch_drafter import TorchDrafter
 

@@ -21,14 +21,14 @@ import aiohttp
 import psutil
 import pytest
 from engine_runner import run_engine
-
-from benchmarks.soak_workload import (
+from vllm_carryover.benchmarks.soak_workload import (
     KV_CACHE_BYTES,
     MAX_MODEL_LEN,
     MAX_TOKENS,
     drive,
     make_requests,
 )
+
 from vllm_carryover.server_process import VllmServer
 from vllm_carryover.slot_table import ENV_CHECK
 

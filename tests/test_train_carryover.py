@@ -13,9 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-
-from train.baseline import Sequence, attach_markov_head, block_logits, target_embedding
-from train.carryover import (
+from vllm_carryover.train.baseline import (
+    Sequence,
+    attach_markov_head,
+    block_logits,
+    target_embedding,
+)
+from vllm_carryover.train.carryover import (
     accepted_length,
     context_kv,
     draft_verify_draft,
@@ -23,9 +27,10 @@ from train.carryover import (
     second_anchor_ok,
     second_draft_logits,
 )
-from train.dflash_loss import slot_weights, weighted_block_ce
-from train.target_states import aux_states, truncated_decoder
-from train.vocab_subset import remap_labels, restricted_head, step_vocab
+from vllm_carryover.train.dflash_loss import slot_weights, weighted_block_ce
+from vllm_carryover.train.target_states import aux_states, truncated_decoder
+from vllm_carryover.train.vocab_subset import remap_labels, restricted_head, step_vocab
+
 from vllm_carryover.checkpoint import DrafterConfig, load_drafter_state
 from vllm_carryover.init_drafter import init_drafter
 from vllm_carryover.markov_head import MARKOV_W1, MARKOV_W2

@@ -12,13 +12,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from train import dataset_store as store
-from train.data import load_samples
-from train.prompts import CATEGORIES, EVAL_BOOKS, Prompt, build_prompts, dedupe, split_of
-from train.ray_shards import split_even
-from train.self_prompts import usable
-from train.sword_bible import verse_pairs
+from vllm_carryover.train import dataset_store as store
+from vllm_carryover.train.data import load_samples
+from vllm_carryover.train.prompts import (
+    CATEGORIES,
+    EVAL_BOOKS,
+    Prompt,
+    build_prompts,
+    dedupe,
+    split_of,
+)
+from vllm_carryover.train.ray_shards import split_even
+from vllm_carryover.train.self_prompts import usable
+from vllm_carryover.train.sword_bible import verse_pairs
 
 
 def test_bible_verses_are_aligned_and_tagged_by_book() -> None:

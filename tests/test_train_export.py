@@ -30,10 +30,10 @@ import pytest
 import torch
 from engine_runner import run_engine
 from tiny_models import make_tiny_target, write_cached_dataset
+from vllm_carryover.train.baseline import BaselineArgs, train_baseline
+from vllm_carryover.train.carryover import CarryoverArgs, train_carryover
+from vllm_carryover.train.paths import run_dir
 
-from train.baseline import BaselineArgs, train_baseline
-from train.carryover import CarryoverArgs, train_carryover
-from train.paths import run_dir
 from vllm_carryover.checkpoint import default_target_layers, load_drafter_state
 
 REPO = Path(__file__).resolve().parent.parent

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from tiny_models import make_tiny_drafter, make_tiny_target, write_cached_dataset
+from vllm_carryover.train.main import main
 
-from train.__main__ import main
 from vllm_carryover.checkpoint import default_target_layers
 
 VOCAB = 16  # small, so that some rejected rows' argmax hits the true token
@@ -38,11 +38,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def brute_force_target_hits(setup: dict[str, Path]) -> tuple[int, int]:
     """(rejections, target argmax right) with one plain forward per rejection."""
     from transformers import AutoModelForCausalLM
-
-    from train.baseline import load_sequences
-    from train.carryover import draft_verify_draft
-    from train.dflash_loss import sample_anchors
-    from train.headroom import load_drafter
+    from vllm_carryover.train.baseline import load_sequences
+    from vllm_carryover.train.carryover import draft_verify_draft
+    from vllm_carryover.train.dflash_loss import sample_anchors
+    from vllm_carryover.train.headroom import load_drafter
 
     drafter = load_drafter(str(setup["target"]), str(setup["drafter"]))
     full = AutoModelForCausalLM.from_pretrained(setup["target"], dtype=torch.float32).eval()

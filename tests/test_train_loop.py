@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 from tiny_models import make_tiny_drafter, make_tiny_target, write_cached_dataset
+from vllm_carryover.train.main import main
+from vllm_carryover.train.paths import run_dir
+from vllm_carryover.train.trainer import weights_digest
 
-from train.__main__ import main
-from train.paths import run_dir
-from train.trainer import weights_digest
 from vllm_carryover.checkpoint import default_target_layers
 
 REPO = Path(__file__).resolve().parent.parent

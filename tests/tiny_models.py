@@ -53,9 +53,9 @@ def write_cached_dataset(target: Path, name: str, rows: list[dict], layer_ids: l
                          ) -> None:
     """A training dataset in the cache plus its bf16 target-state file, written directly
     (no Ray, no vLLM) the way `python -m train data` leaves them."""
-    from train.data import write_dataset
-    from train.paths import data_dir
-    from train.target_states import aux_states, states_file, truncated_decoder
+    from vllm_carryover.train.data import write_dataset
+    from vllm_carryover.train.paths import data_dir
+    from vllm_carryover.train.target_states import aux_states, states_file, truncated_decoder
 
     folder = data_dir(name)
     manifest = write_dataset(folder, rows, {"target": str(target)})

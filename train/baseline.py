@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-
-from train.data import load_samples
-from train.dflash_loss import (
+from vllm_carryover.train.data import load_samples
+from vllm_carryover.train.dflash_loss import (
     IGNORE,
     BlockStats,
     make_blocks,
@@ -24,12 +23,13 @@ from train.dflash_loss import (
     slot_weights,
     weighted_block_ce,
 )
-from train.distributed import rank0_first
-from train.options import BaselineArgs, TrainArgs
-from train.paths import data_dir, run_dir
-from train.target_states import dataset_states
-from train.trainer import SeqResult, Sequence, Trainer, meta_args
-from train.vocab_subset import remap_labels, restricted_head
+from vllm_carryover.train.distributed import rank0_first
+from vllm_carryover.train.options import BaselineArgs, TrainArgs
+from vllm_carryover.train.paths import data_dir, run_dir
+from vllm_carryover.train.target_states import dataset_states
+from vllm_carryover.train.trainer import SeqResult, Sequence, Trainer, meta_args
+from vllm_carryover.train.vocab_subset import remap_labels, restricted_head
+
 from vllm_carryover.checkpoint import (
     REJECTED_EMBEDDING,
     DrafterConfig,

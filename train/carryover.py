@@ -30,15 +30,14 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-
-from train.baseline import (
+from vllm_carryover.train.baseline import (
     Sequence,
     attach_markov_head,
     load_sequences,
     param_groups,
     target_embedding,
 )
-from train.dflash_loss import (
+from vllm_carryover.train.dflash_loss import (
     IGNORE,
     Blocks,
     BlockStats,
@@ -47,12 +46,13 @@ from train.dflash_loss import (
     slot_weights,
     weighted_block_ce,
 )
-from train.distributed import rank0_first
-from train.options import CarryoverArgs
-from train.paths import CHECKPOINTS, run_dir
-from train.target_states import truncated_decoder
-from train.trainer import SeqResult, Trainer, meta_args
-from train.vocab_subset import remap_labels, restricted_head
+from vllm_carryover.train.distributed import rank0_first
+from vllm_carryover.train.options import CarryoverArgs
+from vllm_carryover.train.paths import CHECKPOINTS, run_dir
+from vllm_carryover.train.target_states import truncated_decoder
+from vllm_carryover.train.trainer import SeqResult, Trainer, meta_args
+from vllm_carryover.train.vocab_subset import remap_labels, restricted_head
+
 from vllm_carryover.carryover_slot import carried_drafts, draft_positions
 from vllm_carryover.checkpoint import DrafterConfig, load_drafter_state
 from vllm_carryover.torch_drafter import TorchDrafter

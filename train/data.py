@@ -18,9 +18,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from train import dataset_store as store
-from train.answerer import Answerer, engine_kwargs
-from train.prompts import MAX_PROMPT_TOKENS, Prompt, prompt_token_ids
+from vllm_carryover.train import dataset_store as store
+from vllm_carryover.train.answerer import Answerer, engine_kwargs
+from vllm_carryover.train.prompts import MAX_PROMPT_TOKENS, Prompt, prompt_token_ids
+
 from vllm_carryover.dtype import resolve_dtype
 
 # Re-exported: the dataset's reader API.
@@ -42,8 +43,7 @@ def answer(folder: Path, target: str, *, max_tokens: int, shard_size: int,
     """Answer the missing shards of `folder`'s prompt table (at most `stop_after` of
     them if set), writing each as it completes; return the manifest."""
     import ray
-
-    from train.ray_shards import ray_session
+    from vllm_carryover.train.ray_shards import ray_session
 
     table = store.PromptTable.load(folder)
     ranges = store.shard_ranges(len(table.ids), shard_size)
@@ -123,8 +123,8 @@ def add_cli(sub: Any) -> None:
     """The `data` subcommand of `python -m train`."""
     import argparse
 
-    from train.paths import DEFAULT_DATA
-    from train.prompts import CATEGORIES
+    from vllm_carryover.train.paths import DEFAULT_DATA
+    from vllm_carryover.train.prompts import CATEGORIES
 
     d = sub.add_parser("data", help="prompts + the target's greedy responses, in shards",
                        description=DATA_HELP,
@@ -164,8 +164,9 @@ def add_cli(sub: Any) -> None:
 
 
 def run_cli(a: Any) -> None:
-    from train.paths import data_dir
-    from train.prompts import build_prompts, dedupe
+    from vllm_carryover.train.paths import data_dir
+    from vllm_carryover.train.prompts import build_prompts, dedupe
+
     from vllm_carryover.testbed import smollm2_path
 
     target = a.target or str(smollm2_path())
@@ -186,7 +187,7 @@ def run_cli(a: Any) -> None:
         t = time.perf_counter()
         prompts = build_prompts(a.num_train, a.num_eval, a.seed, tuple(a.categories))
         if a.self_prompts:
-            from train.self_prompts import self_prompts
+            from vllm_carryover.train.self_prompts import self_prompts
 
             prompts = dedupe(prompts + self_prompts(target, a.self_prompts, a.seed))
         table = build_table(folder, target, prompts, a.max_prompt_tokens)

@@ -22,7 +22,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from train.paths import DEFAULT_DATA
+from vllm_carryover.train.paths import DEFAULT_DATA
 
 COLUMNS = ("rejections", "target", "drafter", "either")
 
@@ -33,9 +33,8 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
-
-    from train.baseline import load_sequences
-    from train.carryover import (
+    from vllm_carryover.train.baseline import load_sequences
+    from vllm_carryover.train.carryover import (
         Rejected,
         accepted_length,
         block_logits_over,
@@ -45,7 +44,7 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
         second_draft_logits,
         verify_inputs,
     )
-    from train.dflash_loss import sample_anchors
+    from vllm_carryover.train.dflash_loss import sample_anchors
 
     drafter = load_drafter(target, init)
     kk = drafter.config.block_size - 1
@@ -94,8 +93,9 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
 
 def load_drafter(target: str, init: str) -> Any:
     """A TorchDrafter (eval mode) from a drafter folder or a run name."""
-    from train.baseline import target_embedding
-    from train.carryover import load_init
+    from vllm_carryover.train.baseline import target_embedding
+    from vllm_carryover.train.carryover import load_init
+
     from vllm_carryover.checkpoint import DrafterConfig
     from vllm_carryover.torch_drafter import TorchDrafter
 
@@ -124,8 +124,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 
 def _run(a: argparse.Namespace) -> None:
     import torch
-
-    from train.paths import default_target
+    from vllm_carryover.train.paths import default_target
 
     torch.set_num_threads(a.threads)
     table = headroom(a.target or default_target(), a.init, a.data, a.anchors_per_seq)

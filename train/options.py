@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from train.paths import CHECKPOINTS, DEFAULT_DATA
+from vllm_carryover.train.paths import CHECKPOINTS, DEFAULT_DATA
 
 # Options that only steer one invocation (not what is trained): `--resume` may change them.
 RUN_CONTROL = frozenset({"resume", "stop_after", "save_every", "eval_every",

@@ -159,7 +159,7 @@ _CODE_TASKS: tuple[Callable[[str, str, str], str], ...] = (
 def code_prompts(counts: dict[str, int], rnd: random.Random) -> list[Prompt]:
     """Requests about documented functions of the standard library and installed
     packages, at most 3 functions per module file, files in seeded order."""
-    from train.text_sources import documented_functions, python_files
+    from vllm_carryover.train.text_sources import documented_functions, python_files
 
     files = python_files()
     rnd.shuffle(files)
@@ -222,8 +222,8 @@ def math_prompts(counts: dict[str, int], rnd: random.Random) -> list[Prompt]:
 def translation_prompts(counts: dict[str, int], rnd: random.Random) -> list[Prompt]:
     """Bible verses en<->es, software messages en<->five languages, chat lines and
     docstrings into Spanish, French or German, interleaved."""
-    from train.sword_bible import verse_pairs
-    from train.text_sources import LANGUAGES, message_catalogs
+    from vllm_carryover.train.sword_bible import verse_pairs
+    from vllm_carryover.train.text_sources import LANGUAGES, message_catalogs
 
     verses = [p for p in verse_pairs() if len(p.english) <= 300 and len(p.spanish) <= 300]
     rnd.shuffle(verses)
@@ -259,7 +259,7 @@ def translation_prompts(counts: dict[str, int], rnd: random.Random) -> list[Prom
                              _user(f"Translate to {lang}: {line}"))
 
     def docstrings() -> Iterator[Prompt]:
-        from train.text_sources import documented_functions, python_files
+        from vllm_carryover.train.text_sources import documented_functions, python_files
 
         files = python_files()
         rnd.shuffle(files)
@@ -297,7 +297,7 @@ _WRITING_TASKS = ("Write a short story inspired by this line: {x}",
 
 def _passages(max_chars: int = 6000, min_chars: int = 3000) -> Iterator[tuple[str, str, str]]:
     """(unit, id, text) of Bible passages: runs of consecutive verses of one book."""
-    from train.sword_bible import verse_pairs
+    from vllm_carryover.train.sword_bible import verse_pairs
 
     book, buf, start = "", [], 0
     for v in verse_pairs():
@@ -310,7 +310,7 @@ def _passages(max_chars: int = 6000, min_chars: int = 3000) -> Iterator[tuple[st
 
 def general_prompts(counts: dict[str, int], rnd: random.Random) -> list[Prompt]:
     """Long-passage summaries and questions, writing tasks and logic puzzles."""
-    from train.text_sources import package_readmes
+    from vllm_carryover.train.text_sources import package_readmes
 
     passages = list(_passages())
     rnd.shuffle(passages)

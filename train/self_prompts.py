@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from train.prompts import Prompt, split_of, text_key
+from vllm_carryover.train.prompts import Prompt, split_of, text_key
 
 _MARK = "\x00USER\x00"
 _LETTERS = re.compile(r"[A-Za-z]")
@@ -46,9 +46,9 @@ def self_prompts(target: str, count: int, seed: int, *, workers: int = 1,
     Samples 2x `count` candidates in one engine (usually enough after filtering)."""
     import ray
     from transformers import AutoTokenizer
+    from vllm_carryover.train.answerer import Answerer, engine_kwargs
+    from vllm_carryover.train.ray_shards import ray_session
 
-    from train.answerer import Answerer, engine_kwargs
-    from train.ray_shards import ray_session
     from vllm_carryover.dtype import fastest_dtype
 
     tok = AutoTokenizer.from_pretrained(target)

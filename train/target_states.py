@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-
-from train.ray_shards import map_shards
+from vllm_carryover.train.ray_shards import map_shards
 
 
 def aux_states(model: Any, batch: list[list[int]], layer_ids: list[int],
@@ -100,7 +99,7 @@ def extract(target: str, sequences: list[list[int]], layer_ids: list[int], cache
 
 def states_file(data: Path, manifest_sha256: str, layer_ids: list[int]) -> Path:
     """The cache file of a dataset's aux states for one set of target layers."""
-    from train.paths import cache_root
+    from vllm_carryover.train.paths import cache_root
 
     tag = hashlib.sha256(f"{manifest_sha256}:{list(layer_ids)}".encode()).hexdigest()[:12]
     return cache_root() / "states" / f"{data.name}-{tag}.pt"
@@ -109,7 +108,7 @@ def states_file(data: Path, manifest_sha256: str, layer_ids: list[int]) -> Path:
 def dataset_states(target: str, data: Path, layer_ids: list[int], **ray: Any
                    ) -> list[torch.Tensor]:
     """Aux states of every row of a dataset folder (prompt + response), cached there."""
-    from train.data import load_manifest, load_samples
+    from vllm_carryover.train.data import load_manifest, load_samples
 
     rows = load_samples(data)
     toks = [r["prompt_ids"] + r["response_ids"] for r in rows]

@@ -21,10 +21,9 @@ from typing import Any, TextIO
 
 import torch
 from tqdm import tqdm
-
-from train.data import load_manifest
-from train.dflash_loss import cosine_lr, sample_anchors
-from train.distributed import (
+from vllm_carryover.train.data import load_manifest
+from vllm_carryover.train.dflash_loss import cosine_lr, sample_anchors
+from vllm_carryover.train.distributed import (
     average_gradients,
     check_joined,
     from_rank0,
@@ -34,9 +33,10 @@ from train.distributed import (
     sum_over_ranks,
     world_size,
 )
-from train.options import RUN_CONTROL, TrainArgs
-from train.paths import data_dir, run_dir
-from train.vocab_subset import step_vocab
+from vllm_carryover.train.options import RUN_CONTROL, TrainArgs
+from vllm_carryover.train.paths import data_dir, run_dir
+from vllm_carryover.train.vocab_subset import step_vocab
+
 from vllm_carryover.torch_drafter import TorchDrafter
 
 LAST = "last.pt"

@@ -14,8 +14,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from train.data import MANIFEST_FILE, load_samples
-from train.paths import DEFAULT_DATA, cache_root, data_dir
+from vllm_carryover.train.data import MANIFEST_FILE, load_samples
+from vllm_carryover.train.paths import DEFAULT_DATA, cache_root, data_dir
+
 from vllm_carryover.acceptance_eval import EvalSettings, run_eval
 from vllm_carryover.rows import parse_ratio, parse_row, rows_help
 from vllm_carryover.run_settings import REPO, SHIPPED_DRAFTERS, resolve_target
@@ -58,7 +59,7 @@ def heldout_prompts(data: Path, categories: list[str] | None, num_prompts: int,
     Without a dataset at `data`, the held-out prompts are built straight from the
     corpora (`train.prompts`, the same split rule), as the benchmarks do."""
     if not (data / MANIFEST_FILE).is_file():
-        from train.prompts import CATEGORIES, build_prompts, prompt_token_ids
+        from vllm_carryover.train.prompts import CATEGORIES, build_prompts, prompt_token_ids
 
         print(f"no dataset at {data} (`python -m train data --name {data.name}` builds "
               "one); using held-out prompts built from the corpora", flush=True)

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from vllm_carryover.train.dflash_loss import IGNORE
 
-from train.dflash_loss import IGNORE
 from vllm_carryover.torch_drafter import TorchDrafter
 
 

@@ -51,9 +51,9 @@ def chat_all(url: str, model: str, max_tokens: int) -> tuple[list[str], int, flo
     return answers, tokens, time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.demo") -> None:
     p = argparse.ArgumentParser(
-        prog="python -m vllm_carryover.demo",
+        prog=prog,
         description="Serve SmolLM2-135M-Instruct with carryover speculative decoding on "
         "127.0.0.1, ask it a few questions through the OpenAI API, and compare with the "
         "same server without speculation.")

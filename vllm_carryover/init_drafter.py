@@ -78,9 +78,10 @@ class _AttrDict(dict):
             raise AttributeError(name) from e
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None,
+         prog: str = "python -m vllm_carryover.init_drafter") -> None:
     p = argparse.ArgumentParser(
-        prog="python -m vllm_carryover.init_drafter",
+        prog=prog,
         description="Create a carryover drafter checkpoint (config.json + model.safetensors) "
         "for a target model folder: random weights, or copied from a vLLM DFlash checkpoint. "
         "Prints the folder path.",

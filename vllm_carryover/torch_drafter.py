@@ -16,8 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import ContextProjectionWeights, apply_rope, project_context_kv_reference, rms_norm
 from vllm_carryover.checkpoint import REJECTED_EMBEDDING, DrafterConfig
+from vllm_carryover.kernels import (
+    ContextProjectionWeights,
+    apply_rope,
+    project_context_kv_reference,
+    rms_norm,
+)
 from vllm_carryover.markov_head import MarkovHead, draft_left_to_right, greedy
 
 

@@ -1,0 +1,114 @@
+"""`python -m train {data,baseline,carryover,export,eval,headroom}`: drafter training."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vllm_carryover.train import data, headroom, vllm_eval
+from vllm_carryover.train.options import BaselineArgs, CarryoverArgs, add_train_options, args_from
+from vllm_carryover.train.paths import default_target
+
+
+def cmd_baseline(a: argparse.Namespace) -> None:
+    from vllm_carryover.train.baseline import train_baseline
+
+    _train(train_baseline, args_from(BaselineArgs, a))
+
+
+def cmd_carryover(a: argparse.Namespace) -> None:
+    from vllm_carryover.train.carryover import train_carryover
+
+    _train(train_carryover, args_from(CarryoverArgs, a))
+
+
+def _train(recipe: Callable[[Any], Path], args: BaselineArgs | CarryoverArgs) -> None:
+    """Run a recipe, alone or as one process of `torchrun --nproc-per-node N -m train`."""
+    from vllm_carryover.train.distributed import is_main, process_group, rank0_first
+
+    with process_group():
+        if not args.target:
+            with rank0_first():  # rank 0 builds the testbed target if it is missing
+                args.target = default_target()
+        path = recipe(args)
+        if is_main():
+            print(path)
+
+
+def cmd_export(a: argparse.Namespace) -> None:
+    from vllm_carryover.train.export import export
+    from vllm_carryover.train.paths import run_dir
+
+    print(export(run_dir(a.run) / "final.pt", Path(a.out), a.target or default_target()))
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    data.add_cli(sub)
+
+    b = sub.add_parser(
+        "baseline", help="train a plain DFlash drafter",
+        description="Plain DFlash training of a new block drafter on the target's own "
+        "responses: per step a few sequences, per sequence many anchors (draft blocks) in "
+        "parallel. Runs alone or data-parallel under torchrun (--nproc-per-node N, gloo).")
+    add_train_options(b, BaselineArgs())
+    b.add_argument("--layers", type=int, default=BaselineArgs.layers,
+                   help="drafter decoder layers (default: %(default)s)")
+    b.add_argument("--block-size", type=int, default=BaselineArgs.block_size,
+                   help="draft block size: the bonus token + block-size - 1 drafted tokens "
+                   "(default: %(default)s)")
+    b.add_argument("--intermediate-size", type=int, default=BaselineArgs.intermediate_size,
+                   help="drafter MLP width (default: %(default)s)")
+    b.add_argument("--target-layers", type=int, nargs="+",
+                   help="target layers whose states feed the drafter (default: three spread "
+                   "over the depth)")
+    b.add_argument("--init-run", default=BaselineArgs.init_run,
+                   help="start from this run's final.pt (its drafter config wins) with a "
+                   "fresh LR schedule; steps and tokens add up in the metadata")
+    b.set_defaults(fn=cmd_baseline)
+
+    c = sub.add_parser(
+        "carryover", help="fine-tune a drafter with parallel draft-verify-draft",
+        description="Carryover training: per sequence and for all anchors at once, draft "
+        "(greedy), verify against the data's tokens, run the target once over all rejected "
+        "drafts (block-sparse mask) and draft again from the next anchor with those rejected "
+        "states carried over. Loss: second draft + --first-draft-weight x first draft. Needs "
+        "the target in memory (float32); costs one extra target pass per sequence. Runs alone "
+        "or data-parallel under torchrun (--nproc-per-node N, gloo).")
+    add_train_options(c, CarryoverArgs())
+    c.add_argument("--init", default=CarryoverArgs.init,
+                   help="start from this drafter folder, or a run name in the cache "
+                   "(its final.pt); default: the shipped SmolLM2 baseline drafter")
+    c.add_argument("--first-draft-weight", type=float, default=CarryoverArgs.first_draft_weight,
+                   help="lambda: weight of the plain (empty-slot) first-draft loss "
+                   "(default: %(default)s)")
+    c.add_argument("--rejected-lr-mult", type=float, default=CarryoverArgs.rejected_lr_mult,
+                   help="learning-rate multiplier of the rejected embedding, which starts at "
+                   "zero (default: %(default)s)")
+    c.set_defaults(fn=cmd_carryover)
+
+    e = sub.add_parser(
+        "export", help="write a trained run as a drafter folder (bf16)",
+        description="Write a run's final.pt as a folder vLLM serves: config.json (with the "
+        "training metadata under carryover_config) and bf16 model.safetensors, then check "
+        "it against the target (hidden size, vocabulary, target layers).")
+    e.add_argument("--target", help="target model folder (default: the testbed SmolLM2 folder)")
+    e.add_argument("--run", default="smollm2-dflash-baseline",
+                   help="run name in the cache (default: %(default)s)")
+    e.add_argument("--out", default="train/checkpoints/smollm2-135m-instruct/dflash-baseline",
+                   help="output folder; its config.json and model.safetensors are overwritten "
+                   "(default: %(default)s)")
+    e.set_defaults(fn=cmd_export)
+
+    vllm_eval.add_cli(sub)
+    headroom.add_cli(sub)
+
+    a = p.parse_args(argv)
+    a.fn(a)
+
