@@ -9,12 +9,14 @@ embeddings and LM head are the target's, frozen.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 from vllm_carryover.train.data import load_samples
+from vllm_carryover.train.device import Placement, placement
 from vllm_carryover.train.dflash_loss import (
     IGNORE,
     BlockStats,
@@ -26,8 +28,8 @@ from vllm_carryover.train.dflash_loss import (
 from vllm_carryover.train.distributed import rank0_first
 from vllm_carryover.train.options import BaselineArgs, TrainArgs
 from vllm_carryover.train.paths import data_dir, run_dir
-from vllm_carryover.train.target_states import dataset_states
-from vllm_carryover.train.trainer import SeqResult, Sequence, Trainer, meta_args
+from vllm_carryover.train.target_states import dataset_states, stored_states, truncated_decoder
+from vllm_carryover.train.trainer import Feed, SeqResult, Sequence, Trainer, meta_args
 from vllm_carryover.train.vocab_subset import remap_labels, restricted_head
 
 from vllm_carryover.checkpoint import (
@@ -50,17 +52,40 @@ def target_embedding(target: str) -> torch.Tensor:
         return f.get_tensor(name).float()
 
 
-def load_sequences(target: str, data: str, layer_ids: list[int]) -> dict[str, list[Sequence]]:
-    """Train / heldout sequences with their cached aux states."""
+def load_sequences(target: str, data: str, layer_ids: list[int], cached: bool = True
+                   ) -> dict[str, list[Sequence]]:
+    """Train / heldout sequences with their cached aux states (none: `cached=False`)."""
     folder = data_dir(data)
-    states = dataset_states(target, folder, layer_ids)
+    rows = load_samples(folder)
+    states = dataset_states(target, folder, layer_ids) if cached else [None] * len(rows)
     out: dict[str, list[Sequence]] = {"train": [], "heldout": []}
-    for r, s in zip(load_samples(folder), states, strict=True):
+    for r, s in zip(rows, states, strict=True):
         if len(r["response_ids"]) >= 2:
             toks = torch.tensor(r["prompt_ids"] + r["response_ids"])
             out[r["split"]].append(Sequence(toks, len(r["prompt_ids"]), s,
                                             r.get("category", "")))
     return out
+
+
+def sequence_feed(place: Placement, layer_ids: list[int], decoder: Any = None) -> Feed:
+    """Sequences moved to the device with their aux states: the cached ones, or, given
+    the target's truncated `decoder`, the states computed now (`--target-states online`)
+    by the function that fills the cache."""
+    def feed(seq: Sequence) -> Sequence:
+        aux = seq.aux if decoder is None else stored_states(
+            decoder, [seq.tokens.tolist()], layer_ids)[0]
+        return replace(seq, tokens=seq.tokens.to(place.device), aux=aux.to(place.device))
+
+    return feed
+
+
+def target_decoder(a: TrainArgs, place: Placement, layer_ids: list[int]) -> Any:
+    """The target's decoder up to the last drafter layer, frozen, in the training dtype on
+    the training device (float32 on the CPU unless --dtype says otherwise)."""
+    decoder = truncated_decoder(a.target, max(layer_ids), place.dtype, place.device)
+    for p in decoder.parameters():
+        p.requires_grad_(False)
+    return decoder
 
 
 def block_logits(model: TorchDrafter, seq: Sequence, anchors: torch.Tensor
@@ -69,7 +94,7 @@ def block_logits(model: TorchDrafter, seq: Sequence, anchors: torch.Tensor
     d = model.config
     t = seq.tokens.shape[0]
     fused = model.fuse(seq.aux.float())
-    k, v = model.context_kv(fused, torch.arange(t))  # [L, T, kv, hd]
+    k, v = model.context_kv(fused, torch.arange(t, device=fused.device))  # [L, T, kv, hd]
     blocks = make_blocks(seq.tokens, anchors, d.block_size, d.mask_token_id)
     a = anchors.shape[0]
     ctx_k = k[:, None].expand(-1, a, -1, -1, -1)
@@ -78,7 +103,7 @@ def block_logits(model: TorchDrafter, seq: Sequence, anchors: torch.Tensor
     return model.teacher_forced(logits[:, 1:], blocks.prev_ids), blocks.labels
 
 
-def evaluate(model: TorchDrafter, seqs: list[Sequence], anchors_per_seq: int,
+def evaluate(model: TorchDrafter, seqs: list[Sequence], anchors_per_seq: int, feed: Feed,
              seed: int = 1234) -> BlockStats:
     """Held-out top-1 accuracy per slot on a fixed anchor sample (response region)."""
     gen = torch.Generator().manual_seed(seed)
@@ -90,7 +115,8 @@ def evaluate(model: TorchDrafter, seqs: list[Sequence], anchors_per_seq: int,
             anchors = sample_anchors(seq.response_start, seq.tokens.shape[0] - 1,
                                      anchors_per_seq, gen)
             if anchors.numel():
-                stats.add(*block_logits(model, seq, anchors))
+                seq = feed(seq)
+                stats.add(*block_logits(model, seq, anchors.to(seq.tokens.device)))
     model.train()
     return stats
 
@@ -139,6 +165,7 @@ def train_baseline(a: BaselineArgs) -> Path:
     """
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
+    place = placement(a.device, a.dtype)
     prior: dict[str, Any] = {}
     if a.init_run:  # continue from an earlier run (its config wins)
         saved = torch.load(run_dir(a.init_run) / "final.pt")
@@ -150,16 +177,22 @@ def train_baseline(a: BaselineArgs) -> Path:
     dcfg = DrafterConfig.from_dict(cfg)
     model = TorchDrafter(dcfg, target_embedding(a.target))
     model.load_checkpoint_state(state)
+    model.to(place.device)
     model.rejected_embedding.requires_grad_(False)  # baseline: no carryover weight
     groups = param_groups(model, a)
     params = [p for g in groups for p in g["params"]]
     opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01)
 
+    layer_ids = list(dcfg.target_layer_ids)
+    online = a.target_states == "online"
     with rank0_first():  # rank 0 fills the target-state cache, the others read it
-        seqs = load_sequences(a.target, a.data, list(dcfg.target_layer_ids))
+        seqs = load_sequences(a.target, a.data, layer_ids, cached=not online)
+    decoder = target_decoder(a, place, layer_ids) if online else None
+    feed = sequence_feed(place, layer_ids, decoder)
     train, heldout = seqs["train"], seqs["heldout"]
     weights = slot_weights(dcfg.block_size - 1, a.gamma)
-    loop = Trainer(a, "baseline", model, params, opt, cfg, train, {"trained_label_tokens": 0})
+    loop = Trainer(a, "baseline", model, params, opt, cfg, train, {"trained_label_tokens": 0},
+                   place, feed)
 
     def seq_loss(seq: Sequence, anchors: torch.Tensor, ids: torch.Tensor | None) -> SeqResult:
         with restricted_head(model, ids):
@@ -170,14 +203,15 @@ def train_baseline(a: BaselineArgs) -> Path:
         return SeqResult(loss, counts={"trained_label_tokens": int((labels != IGNORE).sum())})
 
     def heldout_eval() -> dict[str, Any]:
-        st = evaluate(model, heldout, a.eval_anchors_per_seq)
+        with place.autocast():
+            st = evaluate(model, heldout, a.eval_anchors_per_seq, feed)
         return {"acc": st.accuracy(), "tau": st.tau()}
 
     complete = loop.run(seq_loss, heldout_eval)
     if not complete or not loop.main:
         return loop.out / ("final.pt" if complete else "last.pt")
-    final = evaluate(model, heldout, a.eval_anchors_per_seq)
-    print(f"final heldout acc/slot {final.accuracy()} tau~{final.tau():.3f}")
+    final = heldout_eval()
+    print(f"final heldout acc/slot {final['acc']} tau~{final['tau']:.3f}")
     state = {k: v for k, v in model.checkpoint_state().items() if k != REJECTED_EMBEDDING}
     done = loop.done
     steps_done = done.step + prior.get("steps", 0)
@@ -191,7 +225,7 @@ def train_baseline(a: BaselineArgs) -> Path:
                                if a.init_run else []),
             "data": a.data, "data_manifest_sha256": loop.data_sha,
             "train_sequences": len(train), "heldout_sequences": len(heldout),
-            "processes": loop.world, "heldout_accuracy_per_slot": final.accuracy(),
-            "heldout_tau_estimate": round(final.tau(), 4), "evals": done.evals,
+            "processes": loop.world, "heldout_accuracy_per_slot": final["acc"],
+            "heldout_tau_estimate": round(final["tau"], 4), "evals": done.evals,
             "args": meta_args(a)}
     return loop.save_final(cfg, state, meta)

@@ -1,8 +1,9 @@
 """Carryover training: parallel draft-verify-draft over all anchors of a sequence.
 
 Plain DFlash training never shows the drafter a rejected state, so a carryover
-drafter learns to use them here. Per training sequence (true tokens T, cached
-aux target states S) and for all sampled anchors p at once:
+drafter learns to use them here. Per training sequence (true tokens T, aux
+target states S, cached or computed online by the same target) and for all
+sampled anchors p at once:
 
 1. draft (no gradient, full vocabulary, greedy): the block `[T[p], MASK x K]`
    over the context states at positions < p gives d_1..d_K;
@@ -35,8 +36,11 @@ from vllm_carryover.train.baseline import (
     attach_markov_head,
     load_sequences,
     param_groups,
+    sequence_feed,
+    target_decoder,
     target_embedding,
 )
+from vllm_carryover.train.device import placement
 from vllm_carryover.train.dflash_loss import (
     IGNORE,
     Blocks,
@@ -49,8 +53,7 @@ from vllm_carryover.train.dflash_loss import (
 from vllm_carryover.train.distributed import rank0_first
 from vllm_carryover.train.options import CarryoverArgs
 from vllm_carryover.train.paths import CHECKPOINTS, run_dir
-from vllm_carryover.train.target_states import truncated_decoder
-from vllm_carryover.train.trainer import SeqResult, Trainer, meta_args
+from vllm_carryover.train.trainer import Feed, SeqResult, Trainer, meta_args
 from vllm_carryover.train.vocab_subset import remap_labels, restricted_head
 
 from vllm_carryover.carryover_slot import carried_drafts, draft_positions
@@ -96,7 +99,8 @@ def second_anchor_ok(anchors: torch.Tensor, accepted: torch.Tensor, k: int,
 
 def context_kv(model: TorchDrafter, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Committed-context K/V [L, T, kv, hd] of a whole sequence (fc, norm, projection)."""
-    return model.context_kv(model.fuse(aux.float()), torch.arange(aux.shape[0]))
+    return model.context_kv(model.fuse(aux.float()),
+                            torch.arange(aux.shape[0], device=aux.device))
 
 
 def block_logits_over(model: TorchDrafter, k: torch.Tensor, v: torch.Tensor,
@@ -125,17 +129,19 @@ def verify_inputs(tokens: torch.Tensor, anchors: torch.Tensor, drafts: torch.Ten
     target run on T[0..p] + d_1..d_K restricted to the rows that matter; the
     accepted rows' states are the true states already cached.
     """
-    k = drafts.shape[1]
+    k, dev = drafts.shape[1], tokens.device
     rej = carried_drafts(accepted, k)  # [A, K]: the rejected drafts, the slot's rows
     anchor_idx, slot_idx = rej.nonzero(as_tuple=True)  # row-major: grouped by anchor
     last_true = anchors + accepted  # p + a: the last committed position
     n_true = int(last_true[anchor_idx].max()) + 1 if anchor_idx.numel() else 0
     ids = torch.cat([tokens[:n_true], drafts[anchor_idx, slot_idx]])
-    pos = torch.cat([torch.arange(n_true), draft_positions(anchors, k)[anchor_idx, slot_idx]])
+    pos = torch.cat([torch.arange(n_true, device=dev),
+                     draft_positions(anchors, k)[anchor_idx, slot_idx]])
     n = ids.shape[0]
-    visible = torch.zeros(n, n, dtype=torch.bool)
-    visible[:n_true, :n_true] = torch.ones(n_true, n_true, dtype=torch.bool).tril()
-    visible[n_true:, :n_true] = torch.arange(n_true)[None, :] <= last_true[anchor_idx][:, None]
+    visible = torch.zeros(n, n, dtype=torch.bool, device=dev)
+    visible[:n_true, :n_true] = torch.ones(n_true, n_true, dtype=torch.bool, device=dev).tril()
+    visible[n_true:, :n_true] = (torch.arange(n_true, device=dev)[None, :]
+                                 <= last_true[anchor_idx][:, None])
     same = anchor_idx[:, None] == anchor_idx[None, :]
     visible[n_true:, n_true:] = same & (slot_idx[None, :] <= slot_idx[:, None])
     return ids, pos, visible, anchor_idx, slot_idx, n_true
@@ -146,10 +152,11 @@ def masked_forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, visible: to
     """One forward of a transformers model over one long sequence in which row i sees
     row j iff `visible[i, j]`: passed as a 4D additive float mask, which transformers
     uses as-is (eager and SDPA alike); positions go in as `position_ids`, so RoPE sees
-    the true ones."""
+    the true ones. The target runs in its own dtype, as in vLLM, also inside autocast."""
     dtype = next(model.parameters()).dtype
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
-    with torch.inference_mode():
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
+        ~visible, torch.finfo(dtype).min)
+    with torch.inference_mode(), torch.autocast(visible.device.type, enabled=False):
         return model(input_ids=ids[None], position_ids=pos[None],
                      attention_mask=mask[None, None], use_cache=False, **kwargs)
 
@@ -166,7 +173,7 @@ def rejected_states(decoder: Any, tokens: torch.Tensor, anchors: torch.Tensor,
         tokens, anchors, drafts, accepted)
     if anchor_idx.numel() == 0:
         width = decoder.config.hidden_size * len(layer_ids)
-        return Rejected(torch.empty(0, width), anchor_idx, slot_idx)
+        return Rejected(torch.empty(0, width, device=tokens.device), anchor_idx, slot_idx)
     out = masked_forward(decoder, ids, pos, visible, output_hidden_states=True)
     feats = torch.cat([out.hidden_states[i + 1][0, n_true:] for i in layer_ids], dim=-1)
     return Rejected(feats.float().clone(), anchor_idx, slot_idx, int(ids.shape[0]))
@@ -191,11 +198,11 @@ def second_draft_logits(model: TorchDrafter, k: torch.Tensor, v: torch.Tensor,
                          k.shape[1])
     if a == 0:  # no anchor has a next block inside the sequence
         return k.new_zeros(0, kk, model.lm_head.shape[0]), blocks.labels
-    slot_aux = torch.zeros(a, kk, rejected.states.shape[-1])
+    slot_aux = torch.zeros(a, kk, rejected.states.shape[-1], device=k.device)
     slot_aux[rejected.anchor, rejected.slot] = rejected.states.float()
     slot_pos = draft_positions(anchors, kk)
     sk, sv = model.context_kv(model.fuse(slot_aux.flatten(0, 1)), slot_pos.flatten(),
-                              torch.ones(a * kk, dtype=torch.bool))
+                              torch.ones(a * kk, dtype=torch.bool, device=k.device))
     sk = sk.view(sk.shape[0], a, kk, *sk.shape[2:])
     sv = sv.view(sv.shape[0], a, kk, *sv.shape[2:])
     ctx_k = torch.cat([k[:, None].expand(-1, a, -1, -1, -1), sk], dim=2)
@@ -246,7 +253,7 @@ def draft_verify_draft(model: TorchDrafter, decoder: Any, tokens: torch.Tensor,
 
 
 def evaluate(model: TorchDrafter, decoder: Any, seqs: list[Sequence], anchors_per_seq: int,
-             seed: int = 1234) -> dict[str, BlockStats]:
+             feed: Feed, seed: int = 1234) -> dict[str, BlockStats]:
     """Held-out per-slot accuracy: first draft, second draft with / without the slot."""
     gen = torch.Generator().manual_seed(seed)
     kk = model.config.block_size - 1
@@ -258,8 +265,9 @@ def evaluate(model: TorchDrafter, decoder: Any, seqs: list[Sequence], anchors_pe
                                      anchors_per_seq, gen)
             if not anchors.numel():
                 continue
-            r = draft_verify_draft(model, decoder, seq.tokens, seq.aux, anchors,
-                                   first_loss=False)
+            seq = feed(seq)
+            r = draft_verify_draft(model, decoder, seq.tokens, seq.aux,
+                                   anchors.to(seq.tokens.device), first_loss=False)
             stats["first"].add_drafts(r.drafts, r.first_labels)
             stats["second"].add(r.second_logits, r.second_labels)
             k, v = context_kv(model, seq.aux)
@@ -289,30 +297,37 @@ def train_carryover(a: CarryoverArgs) -> Path:
     """
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
+    place = placement(a.device, a.dtype)
     cfg, state, init_meta = load_init(a.init)
     cfg = {k: v for k, v in cfg.items() if k != "carryover_config"}
     cfg, state = attach_markov_head(cfg, state, a.markov_rank, a.seed)
     dcfg = DrafterConfig.from_dict(cfg)
     model = TorchDrafter(dcfg, target_embedding(a.target))
     model.load_checkpoint_state(state)
+    model.to(place.device)
     # the rejected embedding is new (zero) while the rest is trained: let it move faster
     groups = param_groups(model, a, a.rejected_lr_mult)
     params = [p for g in groups for p in g["params"]]
     opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    decoder = truncated_decoder(a.target, max(dcfg.target_layer_ids))
-    for p in decoder.parameters():
-        p.requires_grad_(False)
+    layer_ids = list(dcfg.target_layer_ids)
+    decoder = target_decoder(a, place, layer_ids)  # verify passes, online states too
 
+    online = a.target_states == "online"
     with rank0_first():  # rank 0 fills the target-state cache, the others read it
-        seqs = load_sequences(a.target, a.data, list(dcfg.target_layer_ids))
+        seqs = load_sequences(a.target, a.data, layer_ids, cached=not online)
+    feed = sequence_feed(place, layer_ids, decoder if online else None)
     train, heldout = seqs["train"], seqs["heldout"]
     weights = slot_weights(dcfg.block_size - 1, a.gamma)
     counts = {"first_label_tokens": 0, "second_label_tokens": 0, "anchors": 0,
               "second_drafts": 0, "carried_states": 0, "target_tokens": 0}
-    loop = Trainer(a, "carryover", model, params, opt, cfg, train, counts)
+    loop = Trainer(a, "carryover", model, params, opt, cfg, train, counts, place, feed)
+
+    def heldout_eval() -> dict[str, Any]:
+        with place.autocast():
+            return _summary(evaluate(model, decoder, heldout, a.eval_anchors_per_seq, feed))
+
     if loop.main and "heldout_initial" not in loop.done.notes:  # the init drafter's
-        loop.done.notes["heldout_initial"] = _summary(
-            evaluate(model, decoder, heldout, a.eval_anchors_per_seq))
+        loop.done.notes["heldout_initial"] = heldout_eval()
         print("initial heldout " + json.dumps(loop.done.notes["heldout_initial"]))
 
     def seq_loss(seq: Sequence, anchors: torch.Tensor, ids: torch.Tensor | None) -> SeqResult:
@@ -334,9 +349,6 @@ def train_carryover(a: CarryoverArgs) -> Path:
             n["first_label_tokens"] = int((r.first_labels != IGNORE).sum())
         return SeqResult(loss, {"loss_second": loss2.item(),
                                 "accepted": float(r.accepted.float().mean())}, n)
-
-    def heldout_eval() -> dict[str, Any]:
-        return _summary(evaluate(model, decoder, heldout, a.eval_anchors_per_seq))
 
     complete = loop.run(seq_loss, heldout_eval)
     if not complete or not loop.main:

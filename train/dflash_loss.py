@@ -50,7 +50,7 @@ def make_blocks(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int,
                 mask_token_id: int, num_ctx: int | None = None) -> Blocks:
     """Block inputs, labels and committed-context mask for anchors in `tokens` [T]."""
     t = tokens.shape[0]
-    offs = torch.arange(block_size)
+    offs = torch.arange(block_size, device=tokens.device)
     pos = anchors[:, None] + offs[None]  # [A, Q]
     ids = torch.full_like(pos, mask_token_id)
     ids[:, 0] = tokens[anchors]
@@ -58,7 +58,7 @@ def make_blocks(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int,
     labels = torch.where(lab_pos < t, tokens[lab_pos.clamp(max=t - 1)],
                          torch.full_like(lab_pos, IGNORE))
     s = t if num_ctx is None else num_ctx
-    ctx_mask = torch.arange(s)[None, :] < anchors[:, None]
+    ctx_mask = torch.arange(s, device=tokens.device)[None, :] < anchors[:, None]
     return Blocks(anchors, ids, pos, labels, ctx_mask)
 
 
@@ -78,7 +78,7 @@ def weighted_block_ce(logits: torch.Tensor, labels: torch.Tensor,
 
 @dataclass
 class BlockStats:
-    """Top-1 accuracy per block slot and the acceptance length it implies."""
+    """Top-1 accuracy per block slot and the acceptance length it implies (on the CPU)."""
 
     correct: torch.Tensor  # [K]
     total: torch.Tensor  # [K]
@@ -95,8 +95,8 @@ class BlockStats:
     def add_drafts(self, drafts: torch.Tensor, labels: torch.Tensor) -> None:
         """Count greedy drafts [A, K] (token ids) against labels [A, K]."""
         ok = (drafts == labels) & (labels != IGNORE)
-        self.correct += ok.sum(0).float()
-        self.total += (labels != IGNORE).sum(0).float()
+        self.correct += ok.sum(0).float().cpu()
+        self.total += (labels != IGNORE).sum(0).float().cpu()
         full = (labels != IGNORE).all(-1)
         self.accepted += float(ok[full].int().cumprod(-1).sum())
         self.blocks += int(full.sum())

@@ -1,11 +1,13 @@
-"""Data-parallel training over processes started by torchrun (gloo backend, CPU).
+"""Data-parallel training over processes started by torchrun (NCCL on CUDA, gloo on CPU).
 
 Every process holds the whole drafter, draws its own training sequences and
 averages its gradients with the others after backward, so all processes apply
 the same update and keep identical weights. A plain all-reduce of `.grad` is
 used instead of DistributedDataParallel because the recipes call the drafter
 through several methods (fuse, context_kv, forward), not one `forward`.
-Alone (no torchrun), every helper here is a no-op.
+Alone (no torchrun), every helper here is a no-op. Under NCCL the collectives'
+tensors live on the process's GPU (`torch.cuda.set_device` at the start), under
+gloo on the CPU; the values handed back are plain Python numbers either way.
 """
 
 from __future__ import annotations
@@ -38,12 +40,17 @@ def is_main() -> bool:
 
 
 @contextmanager
-def process_group() -> Iterator[None]:
-    """Join torchrun's process group (gloo) for the block; nothing when run alone."""
+def process_group(device: torch.device | None = None) -> Iterator[None]:
+    """Join torchrun's process group for the block: NCCL when training on a CUDA
+    `device` (made this process's current GPU), else gloo; nothing when run alone."""
     if not launched() or dist.is_initialized():
         yield
         return
-    dist.init_process_group("gloo")
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
     try:
         yield
     finally:
@@ -77,7 +84,8 @@ def average_gradients(params: list[torch.nn.Parameter]) -> None:
     n = world_size()
     if n == 1:
         return
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                       device=_device())
     dist.all_reduce(has)
     live = [p for p, h in zip(params, has.tolist(), strict=True) if h]
     if not live:
@@ -98,7 +106,7 @@ def sum_over_ranks(values: list[float]) -> list[float]:
     """Element-wise sum of a list of numbers over the ranks (float64)."""
     if world_size() == 1:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
     dist.all_reduce(t)
     return t.tolist()
 
@@ -107,7 +115,7 @@ def from_rank0(value: float) -> float:
     """Rank 0's `value` on every rank, e.g. a decision that depends on its clock."""
     if world_size() == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=_device())
     dist.broadcast(t, src=0)
     return float(t.item())
 
@@ -119,3 +127,10 @@ def gather(obj: Any) -> list[Any]:
     out: list[Any] = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def _device() -> torch.device:
+    """Where a collective's tensors must be: the current GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -27,9 +27,10 @@ def cmd_carryover(a: argparse.Namespace) -> None:
 
 def _train(recipe: Callable[[Any], Path], args: BaselineArgs | CarryoverArgs) -> None:
     """Run a recipe, alone or as one process of `torchrun --nproc-per-node N -m train`."""
+    from vllm_carryover.train.device import resolve_device
     from vllm_carryover.train.distributed import is_main, process_group, rank0_first
 
-    with process_group():
+    with process_group(resolve_device(args.device)):
         if not args.target:
             with rank0_first():  # rank 0 builds the testbed target if it is missing
                 args.target = default_target()
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
         "baseline", help="train a plain DFlash drafter",
         description="Plain DFlash training of a new block drafter on the target's own "
         "responses: per step a few sequences, per sequence many anchors (draft blocks) in "
-        "parallel. Runs alone or data-parallel under torchrun (--nproc-per-node N, gloo).")
+        "parallel. Runs alone or data-parallel under torchrun (--nproc-per-node N; gloo on "
+        "the CPU, NCCL on CUDA).")
     add_train_options(b, BaselineArgs())
     b.add_argument("--layers", type=int, default=BaselineArgs.layers,
                    help="drafter decoder layers (default: %(default)s)")
@@ -79,8 +81,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
         "(greedy), verify against the data's tokens, run the target once over all rejected "
         "drafts (block-sparse mask) and draft again from the next anchor with those rejected "
         "states carried over. Loss: second draft + --first-draft-weight x first draft. Needs "
-        "the target in memory (float32); costs one extra target pass per sequence. Runs alone "
-        "or data-parallel under torchrun (--nproc-per-node N, gloo).")
+        "the target in memory (in --dtype, on --device; it also computes --target-states "
+        "online); costs one extra target pass per sequence. Runs alone or data-parallel "
+        "under torchrun (--nproc-per-node N; gloo on the CPU, NCCL on CUDA).")
     add_train_options(c, CarryoverArgs())
     c.add_argument("--init", default=CarryoverArgs.init,
                    help="start from this drafter folder, or a run name in the cache "

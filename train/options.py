@@ -13,8 +13,13 @@ from typing import Any, TypeVar
 from vllm_carryover.train.paths import CHECKPOINTS, DEFAULT_DATA
 
 # Options that only steer one invocation (not what is trained): `--resume` may change them.
+# The device is one (a CPU run may go on on a GPU), and so are the target states: online
+# ones come from the function that fills the cache (`train.target_states`).
 RUN_CONTROL = frozenset({"resume", "stop_after", "save_every", "eval_every",
-                         "eval_anchors_per_seq", "threads", "extra"})
+                         "eval_anchors_per_seq", "threads", "device", "target_states",
+                         "extra"})
+DTYPES = ("auto", "float32", "bfloat16")
+TARGET_STATES = ("cached", "online")
 
 
 @dataclass
@@ -39,6 +44,9 @@ class TrainArgs:
     markov_lr_mult: float = 10.0
     seed: int = 0
     threads: int = 2
+    device: str = "auto"
+    dtype: str = "auto"
+    target_states: str = "cached"
     save_every: int = 50
     stop_after: int = 0
     resume: bool = False
@@ -121,6 +129,25 @@ def add_train_options(p: argparse.ArgumentParser, d: TrainArgs) -> None:
                    "process r of torchrun draws with seed + r (default: %(default)s)")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="CPU threads per process (default: %(default)s)")
+    p.add_argument("--device", default=d.device,
+                   help="where the drafter, its batches and the target (when it runs: "
+                   "carryover's verify pass, online target states) run: auto (CUDA when "
+                   "torch sees a GPU, under torchrun cuda:LOCAL_RANK; else cpu), cpu, cuda or "
+                   "cuda:N; torchrun's processes then join over NCCL (CUDA) or gloo (CPU); "
+                   "the CUDA and NCCL paths are reviewed but not yet run on a GPU "
+                   "(default: %(default)s)")
+    p.add_argument("--dtype", choices=DTYPES, default=d.dtype,
+                   help="precision of the forward passes: bfloat16 autocasts the drafter and "
+                   "loads the target in bf16; the drafter's weights, gradients and optimizer "
+                   "stay float32; auto: bfloat16 on CUDA, float32 on the CPU "
+                   "(default: %(default)s)")
+    p.add_argument("--target-states", choices=TARGET_STATES, default=d.target_states,
+                   help="the target's hidden states the drafter reads: cached (computed once "
+                   "per dataset on first use and kept in the cache folder, since training "
+                   "visits every sequence many times) or online (the target runs in the "
+                   "training loop on every sequence it visits, evaluations included: one "
+                   "target forward per visit, no cache, for targets whose states do not fit "
+                   "on disk) (default: %(default)s)")
     p.add_argument("--save-every", type=int, default=d.save_every,
                    help="write last.pt (what --resume continues from) every this many steps; "
                    "it is also written at the end; 0: only at the end (default: %(default)s)")

@@ -5,7 +5,12 @@ transformers `hidden_states[i + 1]` (index 0 is the embedding output). The
 listed layers are concatenated in order along the last dim, which is the `fc`
 input. States are computed once (batched, in the machine's fastest dtype), stored
 in bfloat16 and cached per dataset + layer set in the cache folder, never in the
-dataset folder (a committed dataset holds token ids only).
+dataset folder (a committed dataset holds token ids only). For a target whose
+states do not fit on disk, training computes them online instead, sequence by
+sequence, through the same `stored_states`: the two paths agree bit for bit in
+the same dtype on the same device, except that the cache batches sequences of
+similar length, and padding a sequence can move its float32 results in the last
+bits (after bf16 rounding, now and then one bf16 step).
 """
 
 from __future__ import annotations
@@ -27,17 +32,26 @@ def aux_states(model: Any, batch: list[list[int]], layer_ids: list[int],
     layer in `layer_ids`. Sequences are right-padded, which causal attention never
     lets earlier (real) positions see.
     """
+    device = next(model.parameters()).device
     longest = max(len(s) for s in batch)
-    ids = torch.tensor([s + [pad_id] * (longest - len(s)) for s in batch])
-    with torch.inference_mode():
+    ids = torch.tensor([s + [pad_id] * (longest - len(s)) for s in batch], device=device)
+    # in the model's own dtype, also inside a training step's autocast
+    with torch.inference_mode(), torch.autocast(device.type, enabled=False):
         out = model(ids, output_hidden_states=True, use_cache=False)
     feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
     return [feats[b, : len(s)] for b, s in enumerate(batch)]
 
 
-def truncated_decoder(target: str, last_layer: int, dtype: torch.dtype = torch.float32
-                      ) -> Any:
-    """The target's decoder stack without the LM head and the layers after
+def stored_states(model: Any, batch: list[list[int]], layer_ids: list[int]
+                  ) -> list[torch.Tensor]:
+    """Aux states of a batch as training reads them: bf16 ordinary tensors (not inference
+    tensors, so autograd may save them), cached and online alike."""
+    return [st.to(torch.bfloat16).clone() for st in aux_states(model, batch, layer_ids)]
+
+
+def truncated_decoder(target: str, last_layer: int, dtype: torch.dtype = torch.float32,
+                      device: torch.device | str = "cpu") -> Any:
+    """The target's decoder stack on `device`, without the LM head and the layers after
     `last_layer` (their outputs are never drafter features)."""
     from transformers import AutoModelForCausalLM
 
@@ -46,7 +60,7 @@ def truncated_decoder(target: str, last_layer: int, dtype: torch.dtype = torch.f
     decoder.layers = decoder.layers[: last_layer + 1]
     decoder.config.num_hidden_layers = last_layer + 1
     decoder.norm = torch.nn.Identity()  # the last returned state is the normed output
-    return decoder.eval()
+    return decoder.to(device).eval()
 
 
 def _extract_shard(items: list[tuple[int, list[int]]], target: str, layer_ids: list[int],
@@ -61,9 +75,8 @@ def _extract_shard(items: list[tuple[int, list[int]]], target: str, layer_ids: l
                mininterval=10)
     for start in range(0, len(items), batch_size):
         batch = items[start:start + batch_size]
-        states = aux_states(model, [s for _, s in batch], layer_ids)
-        out += [(i, st.to(torch.bfloat16).clone()) for (i, _), st in zip(batch, states,
-                                                                          strict=True)]
+        states = stored_states(model, [s for _, s in batch], layer_ids)
+        out += [(i, st) for (i, _), st in zip(batch, states, strict=True)]
         bar.update(sum(len(s) for _, s in batch))
     bar.close()
     return out

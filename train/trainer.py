@@ -3,9 +3,11 @@
 A recipe builds its drafter, optimizer and sequences, then supplies the loss
 of one training sequence and a held-out evaluation. The loop owns the rest:
 LR schedule and time budget, the random draws (sequences, sampled-softmax
-vocabulary, anchors: always in this order, so a run reproduces), gradient
-averaging over torchrun processes, log.jsonl, the progress bar, periodic
-evaluations, and last.pt, from which `--resume` continues bit for bit.
+vocabulary, anchors: always in this order, on the CPU, so a run reproduces),
+each drawn sequence's move to the device with its target states (the recipe's
+`Feed`), autocast, gradient averaging over torchrun processes, log.jsonl, the
+progress bar, periodic evaluations, and last.pt, from which `--resume`
+continues bit for bit. Checkpoints hold CPU tensors, whatever the device.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, TextIO
 import torch
 from tqdm import tqdm
 from vllm_carryover.train.data import load_manifest
+from vllm_carryover.train.device import Placement
 from vllm_carryover.train.dflash_loss import cosine_lr, sample_anchors
 from vllm_carryover.train.distributed import (
     average_gradients,
@@ -50,7 +53,7 @@ class Sequence:
 
     tokens: torch.Tensor  # [T]
     response_start: int
-    aux: torch.Tensor  # [T, n_layers * H] bf16
+    aux: torch.Tensor | None  # [T, n_layers * H] bf16; None until computed (online states)
     category: str = ""  # the prompt's category (chat, code, ...), where the data has one
 
 
@@ -63,6 +66,8 @@ class SeqResult:
     counts: dict[str, int] = field(default_factory=dict)  # summed over the run
 
 
+# a loaded sequence -> the same on the training device, with its aux states
+Feed = Callable[[Sequence], Sequence]
 # (sequence, anchors, sampled-softmax token ids or None) -> its loss
 SeqLoss = Callable[[Sequence, torch.Tensor, torch.Tensor | None], SeqResult]
 # held-out evaluation of the current weights -> a JSON-able summary
@@ -85,9 +90,12 @@ class Trainer:
 
     def __init__(self, a: TrainArgs, name: str, model: TorchDrafter,
                  params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
-                 config: dict[str, Any], train: list[Sequence], counts: dict[str, int]) -> None:
+                 config: dict[str, Any], train: list[Sequence], counts: dict[str, int],
+                 place: Placement, feed: Feed) -> None:
         check_joined()
         self.a = a
+        self.place = place
+        self.feed = feed
         self.name = name
         self.model = model
         self.params = params
@@ -170,14 +178,17 @@ class Trainer:
         picks = torch.randint(len(self.train), (a.seqs_per_step,), generator=self.gen).tolist()
         self.opt.zero_grad(set_to_none=True)
         ids = None if self.vocab is None else step_vocab(
-            self.vocab, self.model.config.vocab_size, a.num_negatives, self.gen)
+            self.vocab, self.model.config.vocab_size, a.num_negatives, self.gen
+        ).to(self.place.device)
         metrics: dict[str, float] = {}
         counts = dict.fromkeys(self.done.counts, 0)
         for i in picks:
             seq = self.train[i]
             anchors = sample_anchors(seq.response_start, seq.tokens.shape[0] - 1,
-                                     a.anchors_per_seq, self.gen)
-            r = seq_loss(seq, anchors, ids)
+                                     a.anchors_per_seq, self.gen).to(self.place.device)
+            seq = self.feed(seq)
+            with self.place.autocast():
+                r = seq_loss(seq, anchors, ids)
             (r.loss / len(picks)).backward()
             for k, v in {"loss": r.loss.item(), **r.metrics}.items():
                 metrics[k] = metrics.get(k, 0.0) + v / len(picks)
@@ -213,7 +224,8 @@ class Trainer:
             return path
         state = {"args": args_dict(self.a), "config": self.config,
                  "data_sha256": self.data_sha, "world_size": self.world,
-                 "model": self.model.checkpoint_state(), "optimizer": self.opt.state_dict(),
+                 "model": cpu(self.model.checkpoint_state()),
+                 "optimizer": self.opt.state_dict(),
                  **asdict(self.done), "random": rng,
                  "log_bytes": log.tell() if log is not None else 0, "rank_digests": digests}
         tmp = path.with_suffix(".tmp")
@@ -226,7 +238,8 @@ class Trainer:
         if not path.is_file():
             raise FileNotFoundError(f"--resume: {path} does not exist (run {self.a.run!r} "
                                     "saved no checkpoint yet); start it without --resume")
-        saved = torch.load(path)
+        # readable anywhere; load_state_dict moves the optimizer state to the parameters
+        saved = torch.load(path, map_location="cpu")
         diffs = self._differences(saved)
         if diffs:
             raise ValueError(f"--resume: {path} was written with other settings: "
@@ -245,7 +258,8 @@ class Trainer:
 
     def _differences(self, saved: dict[str, Any]) -> list[str]:
         """The saved settings that differ from this invocation's, as readable lines."""
-        now, before = args_dict(self.a), saved["args"]
+        # a setting added since the checkpoint was written had its default then
+        now, before = args_dict(self.a), args_dict(type(self.a)()) | saved["args"]
         out = [f"--{k.replace('_', '-')} {before.get(k)!r} -> {now.get(k)!r}"
                for k in sorted((now.keys() | before.keys()) - RUN_CONTROL)
                if before.get(k) != now.get(k)]
@@ -277,7 +291,7 @@ class Trainer:
                    meta: dict[str, Any]) -> Path:
         """Write final.pt (config, float32 state, metadata) and meta.json."""
         path = self.out / FINAL
-        torch.save({"config": config, "state": state, "meta": meta}, path)
+        torch.save({"config": config, "state": cpu(state), "meta": meta}, path)
         (self.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         return path
 
@@ -296,5 +310,10 @@ def weights_digest(state: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name, t in sorted(state.items()):
         h.update(name.encode())
-        h.update(t.detach().contiguous().numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict on the CPU (unchanged there), so that any machine can load it."""
+    return {k: v.cpu() for k, v in state.items()}

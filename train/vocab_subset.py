@@ -28,8 +28,8 @@ def step_vocab(base: torch.Tensor, vocab_size: int, num_negatives: int,
 
 def remap_labels(labels: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Labels as indices into `ids`; labels outside the subset become IGNORE."""
-    table = torch.full((vocab_size,), IGNORE, dtype=torch.long)
-    table[ids] = torch.arange(ids.numel())
+    table = torch.full((vocab_size,), IGNORE, dtype=torch.long, device=labels.device)
+    table[ids] = torch.arange(ids.numel(), device=labels.device)
     return torch.where(labels == IGNORE, labels, table[labels.clamp(min=0)])
 
 

