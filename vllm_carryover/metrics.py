@@ -5,15 +5,24 @@ API server process. Each worker keeps its counters in a small memory-mapped
 file under a directory that the main process creates and hands down through
 the environment (children inherit it); a Prometheus collector in the main
 process sums the files. Nothing crosses the engine's own IPC.
+
+With several API servers (`--api-server-count N`, or data parallelism) vLLM
+serves /metrics in Prometheus multiprocess mode: each scrape builds a registry
+that reads only the files under PROMETHEUS_MULTIPROC_DIR, so no collector can
+join it. The workers then also count in prometheus_client counters, which in
+that mode live in those files and are summed over processes: the engine's total,
+once, on every API server.
 """
 
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,17 +41,27 @@ COUNTERS: dict[str, str] = {
 def metrics_dir(create: bool = False) -> Path | None:
     """The counter directory of the current engine.
 
-    `create=True` (the process that builds an engine config) always makes a new
-    one, so an engine never adds up the stale files of an earlier engine whose
-    directory it inherited; its workers inherit the new one.
+    `create=True` (the process that builds an engine config) makes a new one, so
+    an engine never adds up the stale files of an earlier engine whose directory
+    it inherited; its workers inherit the new one. The exception are the extra
+    API servers of `vllm serve --api-server-count N` (and of data parallelism):
+    they build the same engine config again, but must read the engine's own
+    directory, which they inherited from the process that started the engine.
     """
-    if create:
+    inherited = os.environ.get(ENV_DIR)
+    if create and not (is_api_server_child() and inherited and Path(inherited).is_dir()):
         path = tempfile.mkdtemp(prefix="vllm-carryover-metrics-")
         os.environ[ENV_DIR] = path
         owner = os.getpid()
         atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, True))
     path = os.environ.get(ENV_DIR)
     return Path(path) if path else None
+
+
+def is_api_server_child() -> bool:
+    """Whether this process is one of the API servers vLLM spawns when it runs more than
+    one: `APIServerProcessManager` names them ApiServer_<index>."""
+    return multiprocessing.current_process().name.startswith("ApiServer_")
 
 
 class CarryoverCounters:
@@ -61,6 +80,7 @@ class CarryoverCounters:
         else:
             file.parent.mkdir(parents=True, exist_ok=True)
             self._values = np.memmap(file, dtype=np.int64, mode="w+", shape=(len(COUNTERS),))
+        self._prometheus = _multiprocess_counters() if file is not None else None
         self._device: torch.Tensor | None = None  # running totals where drafting runs
         self._host: torch.Tensor | None = None  # their latest copy (pinned on CUDA)
         self._copied: torch.cuda.Event | None = None  # set when that copy has landed
@@ -88,18 +108,36 @@ class CarryoverCounters:
     def _publish(self, device: torch.device) -> None:
         assert self._device is not None and self._host is not None
         if device.type != "cuda":  # the CPU (or another device: one blocking copy)
-            self._values[:] = self._device.cpu().numpy()
+            self._store(self._device.cpu().numpy())
             return
         if self._copied is not None:
             if not self._copied.query():  # the last copy is still in flight
                 return
-            self._values[:] = self._host.numpy()
+            self._store(self._host.numpy())
         self._host.copy_(self._device, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
 
+    def _store(self, totals: np.ndarray) -> None:
+        if self._prometheus is not None:
+            for counter, delta in zip(self._prometheus, totals - self._values, strict=True):
+                if delta:
+                    counter.inc(int(delta))
+        self._values[:] = totals
+
     def as_dict(self) -> dict[str, int]:
         return dict(zip(COUNTERS, (int(v) for v in self._values), strict=True))
+
+
+def _multiprocess_counters() -> list[Any] | None:
+    """prometheus_client counters backed by PROMETHEUS_MULTIPROC_DIR, when vLLM runs
+    several API servers (None otherwise: the collector serves the counters)."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return None
+    from prometheus_client import CollectorRegistry, Counter
+
+    registry = CollectorRegistry()  # not this process's global one: the files are the point
+    return [Counter(f"vllm:{name}", text, registry=registry) for name, text in COUNTERS.items()]
 
 
 def read_counters(base: Path | None = None) -> dict[str, int]:
