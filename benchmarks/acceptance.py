@@ -67,7 +67,8 @@ def summary_markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
     parts = [f"### tau per category (K={result['args']['k']}, greedy, "
              f"{result['args']['max_tokens']} tokens, {result['args']['dtype']})",
-             "", tau_table(result)]
+             "", tau_table(result), "", "model runner: " + ", ".join(
+                 f"{n} {r.get('model_runner', '?')}" for n, r in rows.items())]
     if "none" in rows:
         speed = {**result, "args": {**result["args"],
                                     "ratios": [[n, "none"] for n in rows if n != "none"]}}

@@ -41,6 +41,7 @@ from vllm_carryover.rows import Row, check_rows, parse_row
 from vllm_carryover.run_settings import (
     REPO,
     SHIPPED_DRAFTERS,
+    model_runner_of,
     resolve_target,
     serve_max_model_len,
 )
@@ -186,6 +187,8 @@ def summary_markdown(result: dict[str, Any]) -> str:
              f"prompts), {args['max_tokens']} max tokens, "
              f"K={args['k']}, greedy, {args['dtype']}, mean of {args['repeats']} "
              "interleaved repeat(s)", "", markdown_table(head, lines)]
+    if runners := args.get("model_runners"):
+        parts += ["", "model runner: " + ", ".join(f"{n} {r}" for n, r in runners.items())]
     if result["goals"]:
         parts += ["", "### goals for carryover (output tok/s ratios)", "", markdown_table(
             ["ratio", "concurrency", "measured", "goal", "met"],
@@ -259,8 +262,10 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
             except Exception as e:
                 raise RuntimeError(f"row {row.name}: vllm serve did not start, so no row "
                                    f"was measured (servers stopped): {e}") from None
-            print(f"[{row.name}] ready in {time.monotonic() - started:.0f} s at {server.url}",
-                  flush=True)
+            runner = model_runner_of(target, configs[row.name], dtype, max_model_len)
+            result["args"].setdefault("model_runners", {})[row.name] = runner
+            print(f"[{row.name}] ready in {time.monotonic() - started:.0f} s at {server.url} "
+                  f"({runner} model runner)", flush=True)
         for c in concurrency:
             for rep in range(repeats):
                 order = rows if rep % 2 == 0 else rows[::-1]

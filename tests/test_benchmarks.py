@@ -47,6 +47,7 @@ def test_acceptance_quick_result_has_tau_positions_and_speed_per_category(
     assert result["categories"] == list(CATEGORIES)
     assert list(result["rows"]) == ["none", "carryover"]
     for name, row in result["rows"].items():
+        assert row["model_runner"] == "V1", name  # vLLM's only runner without Triton
         for cat in CATEGORIES:
             part = row["categories"][cat]
             assert part["prompts"] == 1 and 0 < part["output_tokens"] <= MAX_TOKENS
@@ -87,6 +88,8 @@ def test_serving_quick_result_has_ratios_to_no_speculation_and_stops_servers(
     assert {"date", "command", "machine", "args", "runs", "table", "goals", "summary",
             "plots"} <= set(result)
     assert result["args"]["num_prompts"] == len(CATEGORIES)
+    assert result["args"]["model_runners"] == {"none": "V1", "carryover": "V1"}
+    assert "model runner: none V1, carryover V1" in result["summary"]
     # every row at every concurrency, each repeat, the second repeat in reverse order
     order = [(r["concurrency"], r["repeat"], r["row"]) for r in result["runs"]]
     assert order == [(1, 0, "none"), (1, 0, "carryover"), (1, 1, "carryover"),

@@ -24,7 +24,12 @@ from typing import Any
 from vllm_carryover.checkpoint import CarryoverConfigError, weight_files
 from vllm_carryover.engine_process import EngineProcess, child_start
 from vllm_carryover.rows import Row, check_rows
-from vllm_carryover.run_settings import command_line, has_tokenizer, serve_max_model_len
+from vllm_carryover.run_settings import (
+    command_line,
+    has_tokenizer,
+    model_runner,
+    serve_max_model_len,
+)
 from vllm_carryover.tau import active_ratios, counter_delta, counter_totals, pooled, tau_table
 
 KV_CACHE_BYTES = 1 << 30
@@ -66,7 +71,8 @@ def _child() -> None:
         engine["speculative_config"] = job["speculative_config"]
     start = time.perf_counter()
     llm = LLM(model=job["target"], **engine)
-    emit({"event": "ready", "startup_seconds": round(time.perf_counter() - start, 2)})
+    emit({"event": "ready", "startup_seconds": round(time.perf_counter() - start, 2),
+          "model_runner": model_runner(llm.llm_engine.vllm_config)})
 
     def generate(prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
@@ -91,7 +97,8 @@ def _child() -> None:
 
 def _progress_line(name: str, event: dict[str, Any]) -> str:
     if event["event"] == "ready":
-        return f"[{name}] engine ready in {event['startup_seconds']:.1f} s"
+        return (f"[{name}] engine ready in {event['startup_seconds']:.1f} s "
+                f"({event['model_runner']} model runner)")
     what = event.get("category", "warmup")
     spec = (f"tau {event['tau']:.3f} ({event['drafts']} drafts, {event['accepted']} "
             "accepted), " if event["drafts"] else "")
@@ -124,6 +131,7 @@ def run_row(name: str, config: dict[str, Any] | None, prompts: dict[str, list[li
                   for e in events if e["event"] == "category"}
     warmup = {k: v for k, v in by_kind["warmup"].items() if k != "event"}
     return {"startup_seconds": by_kind["ready"]["startup_seconds"],
+            "model_runner": by_kind["ready"]["model_runner"],
             "categories": categories, "warmup": warmup,
             "total": pooled(categories.values()),
             "engine_counters": counter_totals(by_kind["done"]["engine_counters"])}

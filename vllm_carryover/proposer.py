@@ -21,6 +21,7 @@ from vllm.logger import init_logger
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from vllm_carryover import kernels
 from vllm_carryover.carryover_slot import SlotLayout, plan_slots, shift_query_slots
 from vllm_carryover.draft_trace import DraftTrace
 from vllm_carryover.length_limit import LengthLimit
@@ -75,6 +76,12 @@ class CarryoverProposer(DFlashProposer):
             drafts = super().propose(*args, **kwargs)
             step.carried = int(self._layout.carried.sum()) if self._layout is not None else 0
         return drafts
+
+    @override
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        super().load_model(target_model)
+        if kernels.backend() == "triton":  # compiled lazily; the reference has nothing to do
+            self.model.model.warm_up_kernels()
 
     @override
     def _get_model(self) -> torch.nn.Module:

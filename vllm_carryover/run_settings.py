@@ -10,6 +10,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent  # the checkout (shipped drafters, datasets)
 SHIPPED_DRAFTERS = REPO / "train" / "checkpoints" / "smollm2-135m-instruct"
@@ -46,6 +47,22 @@ def has_tokenizer(target: str) -> bool:
     path = Path(target)
     return not path.is_dir() or any((path / f).is_file() for f in (
         "tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def model_runner(vllm_config: Any) -> str:
+    """Which of vLLM's model runners an engine of this config runs on: "V1" or "V2"."""
+    return "V2" if vllm_config.use_v2_model_runner else "V1"
+
+
+def model_runner_of(target: str, speculative_config: dict[str, Any] | None, dtype: str,
+                    max_model_len: int) -> str:
+    """The runner a `vllm serve` of these settings picks, from the same engine config
+    (built here, in this process's environment, which the server inherits)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return model_runner(EngineArgs(model=target, speculative_config=speculative_config,
+                                   dtype=dtype, max_model_len=max_model_len,
+                                   enforce_eager=True).create_engine_config())
 
 
 def command_line() -> str:

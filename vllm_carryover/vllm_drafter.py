@@ -25,6 +25,10 @@ from vllm_carryover.markov_head import MarkovHead
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
 
 ARCHITECTURE = "CarryoverDraftModel"
+# Row counts that reach every compiled variant of the context projection: each GEMM
+# tile height (16, 32, 64, 128 rows, `projection_launches`) and Triton's own
+# specialisation of the row count (1, a multiple of 16, anything else).
+WARMUP_ROWS = (1, 2, 16, 17, 32, 33, 64, 128, 129)
 
 
 class CarryoverDFlashModel(DFlashQwen3Model):
@@ -80,6 +84,21 @@ class CarryoverDFlashModel(DFlashQwen3Model):
         for i, attn in enumerate(self._attn_layers):
             attn.impl.do_kv_cache_update(attn, k[i], v[i], attn.kv_cache,
                                          context_slot_mapping)
+
+
+    def warm_up_kernels(self) -> None:
+        """Run the context projection once per compiled variant (see `WARMUP_ROWS`), so
+        that Triton compiles them all at startup rather than on the first requests that
+        need them: vLLM's dummy run drafts without rejected rows, at one batch size."""
+        if self._projection is None:
+            self._build_fused_kv_buffers()
+        assert self._projection is not None
+        weight = self._projection.kv_weight
+        for rows in WARMUP_ROWS:
+            states = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            positions = torch.zeros(rows, dtype=torch.int64, device=weight.device)
+            for rejected in (None, torch.ones(rows, dtype=torch.bool, device=weight.device)):
+                project_context_kv(states, positions, rejected, self._projection)
 
 
 class CarryoverDraftModel(DFlashQwen3ForCausalLM):

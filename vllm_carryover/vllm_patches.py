@@ -13,7 +13,8 @@ whose meaning may change between releases.
 2. `DFlashProposer.__new__`: build a `CarryoverProposer` when the drafter's
    config asks for carryover (isinstance checks on DFlashProposer still hold).
 3. `ModelRegistry`: register the `CarryoverDraftModel` architecture.
-4. Model Runner V2 does not know carryover: force the V1 runner for it.
+4. Model Runner V2 does not know carryover: `VllmConfig` counts it among V2's
+   unsupported features, so vLLM picks V1 for carryover configs only.
 5. `sys.excepthook`, only in a vLLM CLI process (`vllm serve`, `python -m
    vllm.entrypoints...`): a `CarryoverConfigError` that reaches the top ends the
    process like an argparse error, one line `vllm serve: error: <cause>` and exit
@@ -123,7 +124,29 @@ def _use_v1_model_runner() -> None:
         raise ValueError(
             "speculative method 'carryover' runs on vLLM's V1 model runner; "
             "unset VLLM_USE_V2_MODEL_RUNNER")
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
+def _keep_carryover_on_the_v1_runner() -> None:
+    """vLLM picks Model Runner V2 unless a config needs something V2 lacks
+    (`VllmConfig._get_v2_model_runner_unsupported_features`): carryover is one of those
+    things, for carryover configs only, so an in-tree dflash engine beside it keeps V2."""
+    from vllm.config import VllmConfig
+
+    from vllm_carryover.speculative_config import wants_carryover
+
+    original = VllmConfig._get_v2_model_runner_unsupported_features
+    if getattr(original, "_carryover", False):
+        return
+
+    def _get_v2_model_runner_unsupported_features(self: Any) -> list[str]:
+        unsupported = original(self)
+        if wants_carryover(self):
+            unsupported.append("speculative method 'carryover'")
+        return unsupported
+
+    _get_v2_model_runner_unsupported_features._carryover = True  # type: ignore[attr-defined]
+    VllmConfig._get_v2_model_runner_unsupported_features = (  # type: ignore[method-assign]
+        _get_v2_model_runner_unsupported_features)
 
 
 def _patch_dflash_proposer() -> None:
@@ -254,6 +277,7 @@ def apply() -> None:
     check_vllm_version()
     _patch_engine_args()
     _patch_dflash_proposer()
+    _keep_carryover_on_the_v1_runner()
     _register_model()
     _install_cli_excepthook()
     _fix_cpu_expand_kernel()
