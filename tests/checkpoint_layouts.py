@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from vllm_carryover.checkpoint import WEIGHTS_FILE, WEIGHTS_INDEX
+from vllm_carryover.drafter_format import WEIGHTS_FILE, WEIGHTS_INDEX
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

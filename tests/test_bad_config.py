@@ -34,12 +34,8 @@ import pytest
 from checkpoint_layouts import TARGET_STUB, shard_drafter
 
 from vllm_carryover import vllm_patches
-from vllm_carryover.checkpoint import (
-    REJECTED_EMBEDDING,
-    WEIGHTS_FILE,
-    WEIGHTS_INDEX,
-    CarryoverConfigError,
-)
+from vllm_carryover.config_error import CarryoverConfigError
+from vllm_carryover.drafter_format import REJECTED_EMBEDDING, WEIGHTS_FILE, WEIGHTS_INDEX
 from vllm_carryover.init_drafter import init_drafter
 from vllm_carryover.server_process import free_port
 from vllm_carryover.speculative_config import translate

@@ -16,7 +16,8 @@ import torch
 from checkpoint_layouts import TARGET_STUB
 
 from vllm_carryover import speculative_config
-from vllm_carryover.checkpoint import REJECTED_EMBEDDING, load_drafter_state, save_drafter
+from vllm_carryover.checkpoint import load_drafter_state, save_drafter
+from vllm_carryover.drafter_format import REJECTED_EMBEDDING
 from vllm_carryover.speculative_config import translate
 
 TARGET = SimpleNamespace(**TARGET_STUB)

@@ -77,7 +77,7 @@ def test_startup_refuses_a_vllm_that_reserves_too_few_kv_slots(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.config import VllmConfig
 
-    from vllm_carryover.checkpoint import CarryoverConfigError
+    from vllm_carryover.config_error import CarryoverConfigError
     from vllm_carryover.vllm_patches import check_kv_lookahead
 
     # the worst case (nothing accepted) stores the block's last token K + 1 slots past

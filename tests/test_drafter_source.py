@@ -15,11 +15,8 @@ import torch
 from checkpoint_layouts import TARGET_STUB, hub_cache_layout, shard_drafter
 
 from vllm_carryover.acceptance_eval import weights_sha256
-from vllm_carryover.checkpoint import (
-    CarryoverConfigError,
-    has_rejected_embedding,
-    load_drafter_state,
-)
+from vllm_carryover.checkpoint import has_rejected_embedding, load_drafter_state
+from vllm_carryover.config_error import CarryoverConfigError
 from vllm_carryover.drafter_source import is_hub_id, resolve_drafter
 from vllm_carryover.speculative_config import translate
 

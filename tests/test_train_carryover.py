@@ -19,7 +19,8 @@ from vllm_carryover.train.baseline import (
     block_logits,
     target_embedding,
 )
-from vllm_carryover.train.carryover import (
+from vllm_carryover.train.dflash_loss import slot_weights, weighted_block_ce
+from vllm_carryover.train.draft_verify_draft import (
     accepted_length,
     context_kv,
     draft_verify_draft,
@@ -27,11 +28,11 @@ from vllm_carryover.train.carryover import (
     second_anchor_ok,
     second_draft_logits,
 )
-from vllm_carryover.train.dflash_loss import slot_weights, weighted_block_ce
 from vllm_carryover.train.target_states import aux_states, truncated_decoder
 from vllm_carryover.train.vocab_subset import remap_labels, restricted_head, step_vocab
 
-from vllm_carryover.checkpoint import DrafterConfig, load_drafter_state
+from vllm_carryover.checkpoint import load_drafter_state
+from vllm_carryover.drafter_format import DrafterConfig
 from vllm_carryover.init_drafter import init_drafter
 from vllm_carryover.markov_head import MARKOV_W1, MARKOV_W2
 from vllm_carryover.torch_drafter import TorchDrafter

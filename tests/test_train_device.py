@@ -23,7 +23,7 @@ from vllm_carryover.train.device import placement, resolve_device
 from vllm_carryover.train.main import main
 from vllm_carryover.train.paths import run_dir
 
-from vllm_carryover.checkpoint import default_target_layers
+from vllm_carryover.drafter_format import default_target_layers
 from vllm_carryover.dtype import fastest_dtype
 
 LAYERS = default_target_layers(4)  # make_tiny_target has 4 layers

@@ -34,7 +34,8 @@ from vllm_carryover.train.baseline import BaselineArgs, train_baseline
 from vllm_carryover.train.carryover import CarryoverArgs, train_carryover
 from vllm_carryover.train.paths import run_dir
 
-from vllm_carryover.checkpoint import default_target_layers, load_drafter_state
+from vllm_carryover.checkpoint import load_drafter_state
+from vllm_carryover.drafter_format import default_target_layers
 
 REPO = Path(__file__).resolve().parent.parent
 K = 3  # block size 4: the bonus token + 3 drafted tokens

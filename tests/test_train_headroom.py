@@ -11,7 +11,7 @@ import torch
 from tiny_models import make_tiny_drafter, make_tiny_target, write_cached_dataset
 from vllm_carryover.train.main import main
 
-from vllm_carryover.checkpoint import default_target_layers
+from vllm_carryover.drafter_format import default_target_layers
 
 VOCAB = 16  # small, so that some rejected rows' argmax hits the true token
 DATA = "tiny-headroom"
@@ -39,8 +39,8 @@ def brute_force_target_hits(setup: dict[str, Path]) -> tuple[int, int]:
     """(rejections, target argmax right) with one plain forward per rejection."""
     from transformers import AutoModelForCausalLM
     from vllm_carryover.train.baseline import load_sequences
-    from vllm_carryover.train.carryover import draft_verify_draft
     from vllm_carryover.train.dflash_loss import sample_anchors
+    from vllm_carryover.train.draft_verify_draft import draft_verify_draft
     from vllm_carryover.train.headroom import load_drafter
 
     drafter = load_drafter(str(setup["target"]), str(setup["drafter"]))

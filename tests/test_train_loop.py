@@ -22,7 +22,7 @@ from vllm_carryover.train.main import main
 from vllm_carryover.train.paths import run_dir
 from vllm_carryover.train.trainer import weights_digest
 
-from vllm_carryover.checkpoint import default_target_layers
+from vllm_carryover.drafter_format import default_target_layers
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 512  # make_tiny_target's default

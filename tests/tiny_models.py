@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_carryover.checkpoint import DrafterConfig, load_drafter_state
+from vllm_carryover.checkpoint import load_drafter_state
+from vllm_carryover.drafter_format import DrafterConfig
 from vllm_carryover.init_drafter import init_drafter
 from vllm_carryover.torch_drafter import TorchDrafter
 

@@ -32,13 +32,13 @@ from vllm_carryover.train.target_states import dataset_states, stored_states, tr
 from vllm_carryover.train.trainer import Feed, SeqResult, Sequence, Trainer, meta_args
 from vllm_carryover.train.vocab_subset import remap_labels, restricted_head
 
-from vllm_carryover.checkpoint import (
+from vllm_carryover.drafter_format import (
     REJECTED_EMBEDDING,
     DrafterConfig,
     default_target_layers,
     make_config_dict,
 )
-from vllm_carryover.checkpoint import random_state_dict as random_drafter_state
+from vllm_carryover.drafter_format import random_state_dict as random_drafter_state
 from vllm_carryover.markov_head import fresh_markov_state
 from vllm_carryover.torch_drafter import TorchDrafter
 

@@ -1,31 +1,16 @@
-"""Carryover training: parallel draft-verify-draft over all anchors of a sequence.
+"""Carryover training: the recipe that fine-tunes a drafter with draft-verify-draft.
 
-Plain DFlash training never shows the drafter a rejected state, so a carryover
-drafter learns to use them here. Per training sequence (true tokens T, aux
-target states S, cached or computed online by the same target) and for all
-sampled anchors p at once:
-
-1. draft (no gradient, full vocabulary, greedy): the block `[T[p], MASK x K]`
-   over the context states at positions < p gives d_1..d_K;
-2. verify: a = number of leading d_j equal to T[p+j]; ONE target forward over
-   one long sequence with a block-sparse 4D mask gives the target's aux states
-   at every rejected draft d_{a+1}..d_K (positions p+a+1..p+K), exactly the rows
-   vLLM hands the proposer after a verify step;
-3. draft again at p' = p + a + 1 (the target's bonus token, T[p'] since the data
-   are the target's own greedy responses) with context states < p' plus those
-   rejected states as carried-over keys (rejected embedding added), trained on
-   T[p'+1..p'+K].
-
-Loss = weighted CE of the second draft + `first_draft_weight` * the plain
-first-draft loss (keeps the empty-slot case, e.g. the first round after
-prefill, as good as the baseline). Gradients reach every drafter weight
-(fc, the rejected embedding, the layers), never the target.
+Each step runs `train.draft_verify_draft` on a batch of sequences (all sampled
+anchors at once: draft, verify with the target, draft again over the rejected
+states) and trains on the second draft. Loss = weighted CE of the second draft
++ `first_draft_weight` * the plain first-draft loss (keeps the empty-slot case,
+e.g. the first round after prefill, as good as the baseline). Gradients reach
+every drafter weight (fc, the rejected embedding, the layers), never the target.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,221 +28,33 @@ from vllm_carryover.train.baseline import (
 from vllm_carryover.train.device import placement
 from vllm_carryover.train.dflash_loss import (
     IGNORE,
-    Blocks,
     BlockStats,
-    make_blocks,
     sample_anchors,
     slot_weights,
     weighted_block_ce,
 )
 from vllm_carryover.train.distributed import rank0_first
+from vllm_carryover.train.draft_verify_draft import (
+    context_kv,
+    draft_verify_draft,
+    second_draft_logits,
+)
 from vllm_carryover.train.options import CarryoverArgs
 from vllm_carryover.train.paths import CHECKPOINTS, run_dir
 from vllm_carryover.train.trainer import Feed, SeqResult, Trainer, meta_args
-from vllm_carryover.train.vocab_subset import remap_labels, restricted_head
+from vllm_carryover.train.vocab_subset import remap_labels
 
-from vllm_carryover.carryover_slot import carried_drafts, draft_positions
-from vllm_carryover.checkpoint import DrafterConfig, load_drafter_state
+from vllm_carryover.checkpoint import load_drafter_state
+from vllm_carryover.drafter_format import DrafterConfig
 from vllm_carryover.torch_drafter import TorchDrafter
-
-
-@dataclass
-class Rejected:
-    """Target aux states at the rejected drafts of a set of anchors (R rows)."""
-
-    states: torch.Tensor  # [R, n_layers * H_target]
-    anchor: torch.Tensor  # [R]: index of the anchor (into the anchors tensor)
-    slot: torch.Tensor  # [R]: j - 1 for draft d_j, i.e. position = anchor + 1 + slot
-    target_tokens: int = 0  # length of the verify pass's long sequence (its cost)
-
-
-@dataclass
-class DraftVerifyDraft:
-    """Everything one sequence's draft-verify-draft pass produced."""
-
-    anchors: torch.Tensor  # [A] first-draft anchors
-    drafts: torch.Tensor  # [A, K] greedy first drafts
-    accepted: torch.Tensor  # [A] accepted prefix length a
-    first_logits: torch.Tensor | None  # [A, K, V'] (with grad) or None
-    first_labels: torch.Tensor  # [A, K]
-    keep: torch.Tensor  # [A] bool: anchors with a second draft (p' + K fits)
-    rejected: Rejected  # states of the kept anchors' rejected drafts
-    second_logits: torch.Tensor  # [A', K, V'] with the carried-over states
-    second_labels: torch.Tensor  # [A', K]
-
-
-def accepted_length(drafts: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Greedy verification: the number of leading drafts equal to the true tokens."""
-    return ((drafts == labels) & (labels != IGNORE)).int().cumprod(-1).sum(-1)
-
-
-def second_anchor_ok(anchors: torch.Tensor, accepted: torch.Tensor, k: int,
-                     length: int) -> torch.Tensor:
-    """Anchors whose next block p' = p + a + 1 has all K labels inside the sequence."""
-    return anchors + accepted + 1 + k <= length - 1
-
-
-def context_kv(model: TorchDrafter, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Committed-context K/V [L, T, kv, hd] of a whole sequence (fc, norm, projection)."""
-    return model.context_kv(model.fuse(aux.float()),
-                            torch.arange(aux.shape[0], device=aux.device))
-
-
-def block_logits_over(model: TorchDrafter, k: torch.Tensor, v: torch.Tensor,
-                      tokens: torch.Tensor, anchors: torch.Tensor
-                      ) -> tuple[torch.Tensor, Blocks]:
-    """Plain DFlash blocks over precomputed context K/V: (the backbone's logits
-    [A, K, V], without any Markov bias; the blocks, with their labels [A, K])."""
-    d = model.config
-    blocks = make_blocks(tokens, anchors, d.block_size, d.mask_token_id, k.shape[1])
-    a = anchors.shape[0]
-    ctx_k = k[:, None].expand(-1, a, -1, -1, -1)
-    ctx_v = v[:, None].expand(-1, a, -1, -1, -1)
-    logits = model(blocks.query_ids, blocks.query_pos, ctx_k, ctx_v, blocks.ctx_mask)
-    return logits[:, 1:], blocks
-
-
-def verify_inputs(tokens: torch.Tensor, anchors: torch.Tensor, drafts: torch.Tensor,
-                  accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                   torch.Tensor, torch.Tensor, int]:
-    """(ids [N], positions [N], visible [N, N] bool, anchor [R], slot [R], true length).
-
-    One long sequence: the true prefix T[0..m] (m = the largest p + a needed),
-    then, per anchor with a < K, its rejected drafts d_{a+1}..d_K at positions
-    p+a+1..p+K. A rejected row sees true positions <= p + a and, causally, its
-    own anchor's rejected rows. Since d_1..d_a equal T[p+1..p+a], this is the
-    target run on T[0..p] + d_1..d_K restricted to the rows that matter; the
-    accepted rows' states are the true states already cached.
-    """
-    k, dev = drafts.shape[1], tokens.device
-    rej = carried_drafts(accepted, k)  # [A, K]: the rejected drafts, the slot's rows
-    anchor_idx, slot_idx = rej.nonzero(as_tuple=True)  # row-major: grouped by anchor
-    last_true = anchors + accepted  # p + a: the last committed position
-    n_true = int(last_true[anchor_idx].max()) + 1 if anchor_idx.numel() else 0
-    ids = torch.cat([tokens[:n_true], drafts[anchor_idx, slot_idx]])
-    pos = torch.cat([torch.arange(n_true, device=dev),
-                     draft_positions(anchors, k)[anchor_idx, slot_idx]])
-    n = ids.shape[0]
-    visible = torch.zeros(n, n, dtype=torch.bool, device=dev)
-    visible[:n_true, :n_true] = torch.ones(n_true, n_true, dtype=torch.bool, device=dev).tril()
-    visible[n_true:, :n_true] = (torch.arange(n_true, device=dev)[None, :]
-                                 <= last_true[anchor_idx][:, None])
-    same = anchor_idx[:, None] == anchor_idx[None, :]
-    visible[n_true:, n_true:] = same & (slot_idx[None, :] <= slot_idx[:, None])
-    return ids, pos, visible, anchor_idx, slot_idx, n_true
-
-
-def masked_forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, visible: torch.Tensor,
-                   **kwargs: Any) -> Any:
-    """One forward of a transformers model over one long sequence in which row i sees
-    row j iff `visible[i, j]`: passed as a 4D additive float mask, which transformers
-    uses as-is (eager and SDPA alike); positions go in as `position_ids`, so RoPE sees
-    the true ones. The target runs in its own dtype, as in vLLM, also inside autocast."""
-    dtype = next(model.parameters()).dtype
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
-        ~visible, torch.finfo(dtype).min)
-    with torch.inference_mode(), torch.autocast(visible.device.type, enabled=False):
-        return model(input_ids=ids[None], position_ids=pos[None],
-                     attention_mask=mask[None, None], use_cache=False, **kwargs)
-
-
-def rejected_states(decoder: Any, tokens: torch.Tensor, anchors: torch.Tensor,
-                    drafts: torch.Tensor, accepted: torch.Tensor,
-                    layer_ids: list[int] | tuple[int, ...]) -> Rejected:
-    """The target's aux states at every rejected draft of every anchor, ONE forward.
-
-    `decoder` is the target's (possibly truncated) decoder stack, as
-    `train.target_states.truncated_decoder` returns it.
-    """
-    ids, pos, visible, anchor_idx, slot_idx, n_true = verify_inputs(
-        tokens, anchors, drafts, accepted)
-    if anchor_idx.numel() == 0:
-        width = decoder.config.hidden_size * len(layer_ids)
-        return Rejected(torch.empty(0, width, device=tokens.device), anchor_idx, slot_idx)
-    out = masked_forward(decoder, ids, pos, visible, output_hidden_states=True)
-    feats = torch.cat([out.hidden_states[i + 1][0, n_true:] for i in layer_ids], dim=-1)
-    return Rejected(feats.float().clone(), anchor_idx, slot_idx, int(ids.shape[0]))
-
-
-def second_draft_logits(model: TorchDrafter, k: torch.Tensor, v: torch.Tensor,
-                        tokens: torch.Tensor, anchors: torch.Tensor,
-                        accepted: torch.Tensor, rejected: Rejected,
-                        use_slot: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits [A, K, V], labels [A, K]) of the blocks at p' = p + a + 1.
-
-    Block i attends to context positions < p' and to its own anchor's rejected
-    states (K slots per block, slot j visible iff j >= a_i, projected at their
-    own positions with the rejected embedding), as the vLLM proposer drafts
-    after a verify step. `rejected.anchor` indexes `anchors`. `use_slot=False`
-    hides the slot: plain DFlash drafting at the same p' (the ablation).
-    """
-    d = model.config
-    kk = d.block_size - 1
-    a = anchors.shape[0]
-    blocks = make_blocks(tokens, anchors + accepted + 1, d.block_size, d.mask_token_id,
-                         k.shape[1])
-    if a == 0:  # no anchor has a next block inside the sequence
-        return k.new_zeros(0, kk, model.lm_head.shape[0]), blocks.labels
-    slot_aux = torch.zeros(a, kk, rejected.states.shape[-1], device=k.device)
-    slot_aux[rejected.anchor, rejected.slot] = rejected.states.float()
-    slot_pos = draft_positions(anchors, kk)
-    sk, sv = model.context_kv(model.fuse(slot_aux.flatten(0, 1)), slot_pos.flatten(),
-                              torch.ones(a * kk, dtype=torch.bool, device=k.device))
-    sk = sk.view(sk.shape[0], a, kk, *sk.shape[2:])
-    sv = sv.view(sv.shape[0], a, kk, *sv.shape[2:])
-    ctx_k = torch.cat([k[:, None].expand(-1, a, -1, -1, -1), sk], dim=2)
-    ctx_v = torch.cat([v[:, None].expand(-1, a, -1, -1, -1), sv], dim=2)
-    slot_mask = carried_drafts(accepted, kk)
-    mask = torch.cat([blocks.ctx_mask, slot_mask & use_slot], dim=1)
-    logits = model(blocks.query_ids, blocks.query_pos, ctx_k, ctx_v, mask)
-    return model.teacher_forced(logits[:, 1:], blocks.prev_ids), blocks.labels
-
-
-def draft_verify_draft(model: TorchDrafter, decoder: Any, tokens: torch.Tensor,
-                       aux: torch.Tensor, anchors: torch.Tensor,
-                       head_ids: torch.Tensor | None = None,
-                       first_loss: bool = True) -> DraftVerifyDraft:
-    """The whole pass for one sequence; logits carry gradients into the drafter.
-
-    Drafts are always the full-vocabulary greedy ones (what inference proposes:
-    left to right through a Markov head); `head_ids` restricts only the trained
-    logits (sampled softmax), which are teacher-forced through a Markov head.
-    """
-    d = model.config
-    kk = d.block_size - 1
-    k, v = context_kv(model, aux)
-    first = None
-    if first_loss and head_ids is None:  # full-vocabulary loss: one forward does both
-        base, blocks = block_logits_over(model, k, v, tokens, anchors)
-        first = model.teacher_forced(base, blocks.prev_ids)
-        drafts = model.draft_tokens(base.detach(), blocks.query_ids[:, 0])
-    else:
-        with torch.no_grad():
-            base, blocks = block_logits_over(model, k.detach(), v.detach(), tokens, anchors)
-            drafts = model.draft_tokens(base, blocks.query_ids[:, 0])
-        if first_loss:
-            with restricted_head(model, head_ids):
-                base, _ = block_logits_over(model, k, v, tokens, anchors)
-                first = model.teacher_forced(base, blocks.prev_ids)
-    labels = blocks.labels
-    accepted = accepted_length(drafts, labels)
-    keep = second_anchor_ok(anchors, accepted, kk, tokens.shape[0])
-    rej = rejected_states(decoder, tokens, anchors[keep], drafts[keep], accepted[keep],
-                          d.target_layer_ids)
-    rej.states = rej.states.to(aux.dtype).float()  # same precision as the cached context
-    with restricted_head(model, head_ids):
-        second, labels2 = second_draft_logits(model, k, v, tokens, anchors[keep],
-                                              accepted[keep], rej)
-    return DraftVerifyDraft(anchors, drafts, accepted, first, labels, keep, rej, second,
-                            labels2)
 
 
 def evaluate(model: TorchDrafter, decoder: Any, seqs: list[Sequence], anchors_per_seq: int,
              feed: Feed, seed: int = 1234) -> dict[str, BlockStats]:
     """Held-out per-slot accuracy: first draft, second draft with / without the slot."""
     gen = torch.Generator().manual_seed(seed)
-    kk = model.config.block_size - 1
-    stats = {name: BlockStats.empty(kk) for name in ("first", "second", "second_no_slot")}
+    num_drafts = model.config.block_size - 1
+    stats = {name: BlockStats.empty(num_drafts) for name in ("first", "second", "second_no_slot")}
     model.eval()
     with torch.no_grad():
         for seq in tqdm(seqs, desc="eval", unit="seq", leave=False):
@@ -270,8 +67,8 @@ def evaluate(model: TorchDrafter, decoder: Any, seqs: list[Sequence], anchors_pe
                                    anchors.to(seq.tokens.device), first_loss=False)
             stats["first"].add_drafts(r.drafts, r.first_labels)
             stats["second"].add(r.second_logits, r.second_labels)
-            k, v = context_kv(model, seq.aux)
-            plain, labels = second_draft_logits(model, k, v, seq.tokens, r.anchors[r.keep],
+            ctx_k, ctx_v = context_kv(model, seq.aux)
+            plain, labels = second_draft_logits(model, ctx_k, ctx_v, seq.tokens, r.anchors[r.keep],
                                                 r.accepted[r.keep], r.rejected,
                                                 use_slot=False)
             stats["second_no_slot"].add(plain, labels)

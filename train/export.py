@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_carryover.checkpoint import save_drafter, validate_drafter
+from vllm_carryover.checkpoint import save_drafter
+from vllm_carryover.drafter_validation import validate_drafter
 
 
 def export(run_file: Path, out: Path, target: str) -> Path:

@@ -34,7 +34,8 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
     from vllm_carryover.train.baseline import load_sequences
-    from vllm_carryover.train.carryover import (
+    from vllm_carryover.train.dflash_loss import sample_anchors
+    from vllm_carryover.train.draft_verify_draft import (
         Rejected,
         accepted_length,
         block_logits_over,
@@ -44,10 +45,9 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
         second_draft_logits,
         verify_inputs,
     )
-    from vllm_carryover.train.dflash_loss import sample_anchors
 
     drafter = load_drafter(target, init)
-    kk = drafter.config.block_size - 1
+    num_drafts = drafter.config.block_size - 1
     full = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     seqs = load_sequences(target, data, list(drafter.config.target_layer_ids))["heldout"]
     gen = torch.Generator().manual_seed(seed)
@@ -59,13 +59,13 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
                                      anchors_per_seq, gen)
             if not anchors.numel():
                 continue
-            k, v = context_kv(drafter, seq.aux)
-            first, blocks = block_logits_over(drafter, k, v, tokens, anchors)
+            ctx_k, ctx_v = context_kv(drafter, seq.aux)
+            first, blocks = block_logits_over(drafter, ctx_k, ctx_v, tokens, anchors)
             labels = blocks.labels
             drafts = drafter.draft_tokens(first, blocks.query_ids[:, 0])
             acc = accepted_length(drafts, labels)
             # anchors with a rejection whose next block fits in the sequence
-            keep = second_anchor_ok(anchors, acc, kk, tokens.shape[0]) & (acc < kk)
+            keep = second_anchor_ok(anchors, acc, num_drafts, tokens.shape[0]) & (acc < num_drafts)
             if not keep.any():
                 continue
             kept, acc = anchors[keep], acc[keep]
@@ -77,8 +77,8 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
             target_next = masked_forward(full, ids, pos, visible).logits[0, n_true:][
                 first_row].argmax(-1)
             no_slot = Rejected(torch.empty(0, seq.aux.shape[-1]), row_anchor[:0], row_slot[:0])
-            plain, next_labels = second_draft_logits(drafter, k, v, tokens, kept, acc, no_slot,
-                                                     use_slot=False)
+            plain, next_labels = second_draft_logits(drafter, ctx_k, ctx_v, tokens, kept, acc,
+                                                     no_slot, use_slot=False)
             true = next_labels[:, 0]  # row_anchor[first_row] is 0..len(kept)-1 in order
             t, d = target_next == true, plain[:, 0].argmax(-1) == true
             for name in ("all", seq.category) if seq.category else ("all",):
@@ -96,7 +96,7 @@ def load_drafter(target: str, init: str) -> Any:
     from vllm_carryover.train.baseline import target_embedding
     from vllm_carryover.train.carryover import load_init
 
-    from vllm_carryover.checkpoint import DrafterConfig
+    from vllm_carryover.drafter_format import DrafterConfig
     from vllm_carryover.torch_drafter import TorchDrafter
 
     cfg, state, _ = load_init(init)

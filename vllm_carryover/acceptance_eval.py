@@ -21,7 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from vllm_carryover.checkpoint import CarryoverConfigError, weight_files
+from vllm_carryover.checkpoint import weight_files
+from vllm_carryover.config_error import CarryoverConfigError
 from vllm_carryover.engine_process import EngineProcess, child_start
 from vllm_carryover.rows import Row, check_rows
 from vllm_carryover.run_settings import (

@@ -12,7 +12,7 @@ import logging
 import re
 from pathlib import Path
 
-from vllm_carryover.checkpoint import CarryoverConfigError
+from vllm_carryover.config_error import CarryoverConfigError
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's configured logger
 

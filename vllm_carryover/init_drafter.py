@@ -15,17 +15,16 @@ from typing import Any
 
 import torch
 
-from vllm_carryover.checkpoint import (
+from vllm_carryover.checkpoint import load_drafter_state, save_drafter
+from vllm_carryover.drafter_format import (
     REJECTED_EMBEDDING,
     DrafterConfig,
     default_target_layers,
-    load_drafter_state,
     make_config_dict,
     random_state_dict,
-    save_drafter,
-    validate_drafter,
 )
 from vllm_carryover.drafter_source import resolve_drafter
+from vllm_carryover.drafter_validation import validate_drafter
 
 
 def init_drafter(

@@ -13,12 +13,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_carryover.checkpoint import (
-    CarryoverConfigError,
-    has_rejected_embedding,
-    validate_drafter,
-)
+from vllm_carryover.checkpoint import has_rejected_embedding
+from vllm_carryover.config_error import CarryoverConfigError
 from vllm_carryover.drafter_source import resolve_drafter
+from vllm_carryover.drafter_validation import validate_drafter
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's configured logger
 

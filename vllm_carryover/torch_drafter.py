@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_carryover.checkpoint import REJECTED_EMBEDDING, DrafterConfig
+from vllm_carryover.drafter_format import REJECTED_EMBEDDING, DrafterConfig
 from vllm_carryover.kernels import (
     ContextProjectionWeights,
     apply_rope,

@@ -18,7 +18,7 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
 
-from vllm_carryover.checkpoint import REJECTED_EMBEDDING
+from vllm_carryover.drafter_format import REJECTED_EMBEDDING
 from vllm_carryover.kernels import ContextProjectionWeights, project_context_kv
 from vllm_carryover.markov_head import MarkovHead
 

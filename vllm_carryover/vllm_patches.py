@@ -106,7 +106,7 @@ def check_kv_lookahead(spec: Any) -> None:
     from vllm.config import VllmConfig
 
     from vllm_carryover.carryover_slot import required_lookahead
-    from vllm_carryover.checkpoint import CarryoverConfigError
+    from vllm_carryover.config_error import CarryoverConfigError
 
     k = spec.num_speculative_tokens
     have = VllmConfig.num_lookahead_tokens.fget(SimpleNamespace(  # type: ignore[attr-defined]
@@ -224,7 +224,7 @@ def _install_cli_excepthook() -> None:
     Raising SystemExit from sys.excepthook makes CPython exit with that status
     (atexit handlers still run), so the exit matches argparse's for a bad flag.
     """
-    from vllm_carryover.checkpoint import CarryoverConfigError
+    from vllm_carryover.config_error import CarryoverConfigError
 
     prog = _cli_prog(getattr(sys, "argv", []))
     previous = sys.excepthook
