@@ -37,7 +37,7 @@ from vllm_carryover import vllm_patches
 from vllm_carryover.config_error import CarryoverConfigError
 from vllm_carryover.drafter_format import REJECTED_EMBEDDING, WEIGHTS_FILE, WEIGHTS_INDEX
 from vllm_carryover.init_drafter import init_drafter
-from vllm_carryover.server_process import free_port
+from vllm_carryover.server_process import VllmServer
 from vllm_carryover.speculative_config import translate
 
 
@@ -377,12 +377,11 @@ def group_members(pgid: int) -> list[str]:
 
 def run_vllm_serve(target: Path, spec_arg: str, log_dir: Path) -> CliRun:
     """Run `vllm serve` in its own session until it exits (or CLI_TIMEOUT_S passes)."""
-    port = free_port()
-    command = [
-        "vllm", "serve", str(target), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-        "--kv-cache-memory-bytes", str(1 << 30), "--speculative-config", spec_arg,
-    ]
+    # the package's server command (not started through VllmServer: this run is meant
+    # to exit at startup, with its stdout and stderr kept apart)
+    server = VllmServer(target, log_dir / "server.log", dtype="float32", max_model_len=1024,
+                        kv_cache_bytes=1 << 30, extra_args=["--speculative-config", spec_arg])
+    port, command = server.port, server.cmd
     out_file, err_file = log_dir / "stdout.log", log_dir / "stderr.log"
     with out_file.open("wb") as out, err_file.open("wb") as err:
         started = time.monotonic()
