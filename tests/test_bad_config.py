@@ -95,6 +95,23 @@ def add_markov_head(drafter: Path, rank: int = 4) -> None:
     edit_weights(drafter, lambda state: state.update(fresh_markov_state(49152, rank)))
 
 
+def add_draft_vocab(ids: list[int], d2t_dtype: str = "int64", size_in_config: bool = True
+                    ) -> Callable[[Path], None]:
+    """A draft vocabulary over target ids `ids` (as given: possibly out of order)."""
+    import torch
+
+    from vllm_carryover.draft_vocab import to_offsets
+    from vllm_carryover.drafter_format import D2T, LM_HEAD
+
+    def add(drafter: Path) -> None:
+        edit_weights(drafter, lambda state: state.update({
+            LM_HEAD: torch.zeros(len(ids), 576),
+            D2T: to_offsets(torch.tensor(ids)).to(getattr(torch, d2t_dtype))}))
+        if size_in_config:
+            set_config(draft_vocab_size=len(ids))(drafter)
+    return add
+
+
 def set_config(**values: Any) -> Callable[[Path], None]:
     return lambda drafter: edit_config(drafter, lambda cfg: cfg.update(values))
 
@@ -207,6 +224,21 @@ BAD_INPUTS: dict[str, BadInput] = {
                                        break_drafter=set_config(markov_rank=2.5)),
     "markov_rank_string": BadInput(("has markov_rank '8'; it must be a non-negative",),
                                    break_drafter=set_config(markov_rank="8")),
+    # a draft vocabulary (the LM head over a subset of the target's tokens)
+    "draft_vocab_without_size": BadInput(
+        ("hold a draft vocabulary (d2t) but config.json has no draft_vocab_size",),
+        break_drafter=add_draft_vocab([0, 5, 9], size_in_config=False)),
+    "draft_vocab_size_without_map": BadInput(("lack 2 tensors (first: d2t)",),
+                                             break_drafter=set_config(draft_vocab_size=3)),
+    "draft_vocab_map_not_integer": BadInput(
+        ("tensor d2t in", "is F32; it must be an integer tensor"),
+        break_drafter=add_draft_vocab([0, 5, 9], d2t_dtype="float32"), cli=True),
+    "draft_vocab_map_out_of_order": BadInput(
+        ("does not map its 3 ids onto distinct target ids in 0..49151 in order",),
+        break_drafter=add_draft_vocab([0, 9, 5])),
+    "draft_vocab_map_outside_vocabulary": BadInput(
+        ("does not map its 3 ids onto distinct target ids in 0..49151",),
+        break_drafter=add_draft_vocab([0, 5, 49152])),
 }
 CLI_CASES = [name for name, case in BAD_INPUTS.items() if case.cli]
 

@@ -102,6 +102,28 @@ def test_float32_trained_drafter_is_token_identical_with_accepted_drafts(
         assert 0 < nonempty < drafts  # whole acceptances leave the next slot empty
 
 
+def test_float32_draft_vocabulary_drafter_is_token_identical_with_accepted_drafts(
+        smollm2, prompts, trained_drafter, reference_fp32, tmp_path):
+    """The trained drafter with its LM head cut to half the tokens the target writes
+    here: the others can never be drafted (their logits are -inf), so more drafts are
+    rejected and carried, yet verification keeps the output the target's."""
+    import torch
+
+    from vllm_carryover.checkpoint import load_drafter_state, save_drafter
+    from vllm_carryover.draft_vocab import target_lm_head, token_counts, with_draft_vocab
+
+    head = target_lm_head(smollm2)
+    counts = token_counts(reference_fp32["token_ids"], head.shape[0])
+    ids = torch.argsort(-counts, stable=True)[: int((counts > 0).sum()) // 2].sort().values
+    cfg, state = with_draft_vocab(*load_drafter_state(trained_drafter), head, ids)
+    folder = save_drafter(tmp_path / "draft-vocab", cfg, state)
+    out = generate(smollm2, prompts, tmp_path, "carryover-draft-vocab", folder)
+    assert out["token_ids"] == reference_fp32["token_ids"]
+    spec = out["spec"]
+    assert spec["spec_decode_num_accepted_tokens"] > 0.02 * spec["spec_decode_num_drafts"]
+    assert out["carryover"]["carryover_rejected_states"] > 0
+
+
 def test_batch_size_schedule_drafts_only_in_small_batches_and_stays_identical(
         smollm2, prompts, trained_drafter, reference_fp32, tmp_path):
     """vLLM's `num_speculative_tokens_per_batch_size` with carryover (the benchmarks'

@@ -35,6 +35,15 @@ def load_samples(data: Path, split: str | None = None) -> list[dict[str, Any]]:
     return [r for r in store.iter_samples(data) if split is None or r["split"] == split]
 
 
+def response_token_counts(folder: Path, vocab_size: int) -> Any:
+    """How often the target wrote each token in the train split's responses (a draft
+    vocabulary's ranking; held-out responses stay unseen)."""
+    from vllm_carryover.draft_vocab import token_counts
+
+    return token_counts((r["response_ids"] for r in store.iter_samples(folder)
+                         if r["split"] == "train"), vocab_size)
+
+
 def answer(folder: Path, target: str, *, max_tokens: int, shard_size: int,
            workers: int = 1, cpus_per_worker: int = 2, ray_address: str | None = None,
            max_model_len: int = 2560, kv_cache_gib: float = 4.0, max_num_seqs: int = 256,

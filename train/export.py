@@ -9,19 +9,28 @@ from pathlib import Path
 import torch
 
 from vllm_carryover.checkpoint import save_drafter
+from vllm_carryover.draft_vocab import build as build_draft_vocab
 from vllm_carryover.drafter_validation import validate_drafter
 
 
-def export(run_file: Path, out: Path, target: str) -> Path:
-    """Write `config.json` (with `carryover_config` training metadata) and bf16 weights."""
+def export(run_file: Path, out: Path, target: str, draft_vocab: int = 0) -> Path:
+    """Write `config.json` (with `carryover_config` training metadata) and bf16 weights;
+    with `draft_vocab` > 0 the LM head covers the tokens the target writes most often in
+    the run's training data."""
     saved = torch.load(run_file)
     meta = dict(saved["meta"])
     meta.pop("evals", None)
     meta["date"] = datetime.date.today().isoformat()
     meta["target"] = Path(target).name
     meta["args"] = dict(meta.get("args", {}), target=Path(target).name)
-    cfg = dict(saved["config"], carryover_config=meta)
-    path = save_drafter(out, cfg, saved["state"], dtype=torch.bfloat16)
+    cfg, state = dict(saved["config"], carryover_config=meta), saved["state"]
+    if draft_vocab:
+        from vllm_carryover.train.data import response_token_counts
+        from vllm_carryover.train.paths import data_dir
+
+        counts = response_token_counts(data_dir(meta["data"]), cfg["vocab_size"])
+        cfg, state = build_draft_vocab(cfg, state, target, counts, draft_vocab)
+    path = save_drafter(out, cfg, state, dtype=torch.bfloat16)
     target_cfg = json.loads((Path(target) / "config.json").read_text())
     validate_drafter(path, _Cfg(target_cfg), cfg["block_size"] - 1)
     return path

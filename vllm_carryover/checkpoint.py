@@ -75,6 +75,17 @@ def read_weights_header(path: Path) -> dict[str, Any]:
     return header
 
 
+def read_tensor(path: Path, name: str) -> torch.Tensor:
+    """One tensor of a drafter folder, read alone (from whichever shard holds it)."""
+    from safetensors import safe_open
+
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            if name in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
+                return f.get_tensor(name)
+    raise KeyError(f"{path} has no tensor {name}")
+
+
 def has_rejected_embedding(path: str | Path) -> bool:
     return REJECTED_EMBEDDING in read_weights_header(Path(path))
 
@@ -88,8 +99,9 @@ def save_drafter(out_dir: str | Path, config: dict[str, Any],
     out.mkdir(parents=True, exist_ok=True)
     config = dict(config, torch_dtype=str(dtype).removeprefix("torch."))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file({k: v.detach().to(dtype).contiguous() for k, v in state.items()},
-              str(out / WEIGHTS_FILE))
+    # weights in `dtype`; integer tensors (a draft vocabulary's d2t map) as they are
+    save_file({k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous()
+               for k, v in state.items()}, str(out / WEIGHTS_FILE))
     return out
 
 

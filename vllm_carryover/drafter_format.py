@@ -23,6 +23,11 @@ from vllm_carryover.markov_head import MARKOV_W1, MARKOV_W2
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint
 REJECTED_EMBEDDING = "rejected_embedding"
+# A draft vocabulary (EAGLE-3's convention, which vLLM's DFlash loader reads): the
+# drafter's own LM head over `draft_vocab_size` target tokens, and `d2t`, the offset
+# from draft id i to its target id (target id = i + d2t[i]).
+LM_HEAD = "lm_head.weight"
+D2T = "d2t"
 # The one set of defaults of the format: what transformers' Qwen3Config, and so
 # vLLM, assumes for a drafter `config.json` (model_type qwen3) without the field.
 # `make_config_dict` falls back to the same values for a target that lacks one.
@@ -52,6 +57,7 @@ class DrafterConfig:
     target_hidden_size: int
     causal: bool
     markov_rank: int = 0  # 0: DFlash-style parallel drafter; r > 0: with a Markov head
+    draft_vocab_size: int = 0  # 0: the LM head covers the whole vocabulary (shared)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> DrafterConfig:
@@ -79,6 +85,8 @@ class DrafterConfig:
             target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
             causal=causal,
             markov_rank=cfg.get("markov_rank") or 0,
+            draft_vocab_size=(0 if cfg.get("draft_vocab_size") in (None, cfg["vocab_size"])
+                              else cfg["draft_vocab_size"]),
         )
 
 
@@ -168,6 +176,8 @@ def expected_shapes(d: DrafterConfig) -> dict[str, tuple[int, ...]]:
     if d.markov_rank:
         shapes |= {MARKOV_W1: (d.vocab_size, d.markov_rank),
                    MARKOV_W2: (d.vocab_size, d.markov_rank)}
+    if d.draft_vocab_size:
+        shapes |= {LM_HEAD: (d.draft_vocab_size, h), D2T: (d.draft_vocab_size,)}
     return shapes
 
 

@@ -11,9 +11,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vllm_carryover.checkpoint import read_weights_header
+from vllm_carryover.checkpoint import read_tensor, read_weights_header
 from vllm_carryover.config_error import CarryoverConfigError
-from vllm_carryover.drafter_format import REJECTED_EMBEDDING, DrafterConfig, expected_shapes
+from vllm_carryover.draft_vocab import from_offsets
+from vllm_carryover.drafter_format import (
+    D2T,
+    REJECTED_EMBEDDING,
+    DrafterConfig,
+    expected_shapes,
+)
 from vllm_carryover.markov_head import MARKOV_W1, MARKOV_W2
 
 
@@ -92,6 +98,12 @@ def validate_drafter(path: str | Path, target_cfg: Any, num_speculative_tokens: 
             f"use 1..{max_k}"
         )
     _check_shapes(path, header, drafter)
+    if drafter.draft_vocab_size:
+        _check_draft_vocab(path, header, drafter)
+    elif D2T in header:
+        raise CarryoverConfigError(
+            f"drafter weights in {path} hold a draft vocabulary ({D2T}) but config.json has "
+            "no draft_vocab_size; add \"draft_vocab_size\": N (the length of d2t)")
     return drafter
 
 
@@ -124,3 +136,19 @@ def _check_shapes(path: Path, header: dict[str, Any], d: DrafterConfig) -> None:
             f"drafter tensor {REJECTED_EMBEDDING} has shape "
             f"{header[REJECTED_EMBEDDING]['shape']}, expected [{d.hidden_size}]"
         )
+
+
+def _check_draft_vocab(path: Path, header: dict[str, Any], d: DrafterConfig) -> None:
+    """`d2t` must map the draft ids onto distinct target ids, in order."""
+    if header[D2T]["dtype"] not in ("I64", "I32"):
+        raise CarryoverConfigError(
+            f"drafter tensor {D2T} in {path} is {header[D2T]['dtype']}; it must be an integer "
+            "tensor (target id = draft id + d2t); rebuild the draft vocabulary with "
+            "`vllm-carryover init-drafter --draft-vocab N`")
+    ids = from_offsets(read_tensor(path, D2T))
+    if d.draft_vocab_size > d.vocab_size or bool((ids[1:] <= ids[:-1]).any()) \
+            or int(ids[0]) < 0 or int(ids[-1]) >= d.vocab_size:
+        raise CarryoverConfigError(
+            f"drafter {path} has a draft vocabulary ({D2T}) that does not map its "
+            f"{d.draft_vocab_size} ids onto distinct target ids in 0..{d.vocab_size - 1} in "
+            "order; rebuild it with `vllm-carryover init-drafter --draft-vocab N`")

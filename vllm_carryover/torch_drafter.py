@@ -6,6 +6,8 @@ concatenated K/V (committed context, the block itself, and the carryover slot).
 Embeddings and LM head are the target's own and stay frozen. `forward` gives the
 backbone's logits; a drafter with a Markov head adds its bias on top, left to
 right when drafting (`draft_tokens`), teacher-forced in training (`teacher_forced`).
+A drafter with a draft vocabulary (`draft_vocab`) computes its logits over those
+tokens only and returns them over the whole vocabulary, -inf elsewhere, as vLLM does.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_carryover.drafter_format import REJECTED_EMBEDDING, DrafterConfig
+from vllm_carryover.draft_vocab import expand_logits, from_offsets, to_offsets
+from vllm_carryover.drafter_format import D2T, LM_HEAD, REJECTED_EMBEDDING, DrafterConfig
 from vllm_carryover.kernels import (
     ContextProjectionWeights,
     apply_rope,
@@ -73,6 +76,9 @@ class TorchDrafter(nn.Module):
         self.rejected_embedding = nn.Parameter(torch.zeros(d.hidden_size))
         self.markov_head = MarkovHead(d.vocab_size, d.markov_rank) if d.markov_rank else None
         self.vocab_ids: torch.Tensor | None = None  # set by train's sampled softmax
+        # a draft vocabulary: target ids of the head's rows, and the head (checkpoint's)
+        self.register_buffer("draft_ids", None, persistent=False)
+        self.register_buffer("draft_head", None, persistent=False)
         self.register_buffer("embed", embed_weight.detach(), persistent=False)
         head = lm_head_weight if lm_head_weight is not None else embed_weight
         self.register_buffer("lm_head", head.detach(), persistent=False)
@@ -84,10 +90,20 @@ class TorchDrafter(nn.Module):
         """Load a drafter checkpoint's tensors (a missing rejected embedding is zero)."""
         state = dict(state)
         state.setdefault(REJECTED_EMBEDDING, torch.zeros(self.config.hidden_size))
+        head, d2t = state.pop(LM_HEAD, None), state.pop(D2T, None)
+        if self.config.draft_vocab_size:
+            assert head is not None and d2t is not None, "a draft vocabulary needs both"
+            device = self.lm_head.device
+            self.draft_ids, self.draft_head = from_offsets(d2t).to(device), head.float().to(
+                device)
         self.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.state_dict().items()}
+        state = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        if self.draft_ids is not None and self.draft_head is not None:
+            state |= {LM_HEAD: self.draft_head.detach().cpu().clone(),
+                      D2T: to_offsets(self.draft_ids.cpu())}
+        return state
 
     def projection_weights(self) -> ContextProjectionWeights:
         d = self.config
@@ -154,6 +170,8 @@ class TorchDrafter(nn.Module):
             h = rms_norm(x, layer.post_attention_layernorm.weight, d.rms_norm_eps)
             x = x + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(h)) * layer.mlp.up_proj(h))
         x = rms_norm(x, self.norm.weight, d.rms_norm_eps)
+        if self.draft_ids is not None and self.draft_head is not None and self.vocab_ids is None:
+            return expand_logits(x @ self.draft_head.T, self.draft_ids, d.vocab_size)
         return x @ self.lm_head.T.float()
 
     def teacher_forced(self, logits: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
