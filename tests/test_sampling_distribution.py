@@ -114,6 +114,20 @@ def add_markov_head(drafter: Path, rank: int = 4, seed: int = 0) -> Path:
     return drafter
 
 
+def cut_to_draft_vocab(drafter: Path, target: Path, out: Path, size: int = 40) -> Path:
+    """A copy of `drafter` whose LM head covers the `size` tokens the target's prior
+    favours most: the others are never drafted (probability 0), and the ones it keeps
+    get the drafter's probabilities renormalised over them."""
+    from vllm_carryover.draft_vocab import target_lm_head, with_draft_vocab
+
+    head = target_lm_head(target)
+    embed = load_file(str(target / "model.safetensors"))["model.embed_tokens.weight"]
+    prior = head @ embed.mean(0)  # every state leans along the shared direction
+    ids = prior.argsort(descending=True)[:size].sort().values
+    cfg, state = with_draft_vocab(*load_drafter_state(drafter), head, ids)
+    return save_drafter(out, cfg, state)
+
+
 def sample_offline(target: Path, temperatures: list[float], seed: int) -> list[np.ndarray]:
     """N continuations of PROMPT per temperature, sampled from the target in transformers."""
     model = target_model(target)
@@ -195,19 +209,22 @@ def report(title: str, rows: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    """The target, a parallel drafter and a semi-autoregressive (Markov head) drafter."""
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path, Path]:
+    """The target, a parallel drafter, a semi-autoregressive (Markov head) drafter and
+    that one with a draft vocabulary."""
     root = tmp_path_factory.mktemp("sampling")
     target = make_prior_target(root / "target")
     markov = add_markov_head(make_mode_drafter(target, root / "markov"))
-    return target, make_mode_drafter(target, root / "drafter"), markov
+    return (target, make_mode_drafter(target, root / "drafter"), markov,
+            cut_to_draft_vocab(markov, target, root / "draft-vocab"))
 
 
 @pytest.fixture(scope="module")
 def engine_samples(models, tmp_path_factory) -> dict[str, dict]:
-    """N samples from a plain engine, a carryover engine and a carryover engine whose
-    Markov-head drafter samples its drafts (so rejection sampling uses its probabilities)."""
-    target, drafter, markov = models
+    """N samples from a plain engine, a carryover engine and carryover engines whose
+    Markov-head drafter samples its drafts (so rejection sampling uses its probabilities),
+    over the whole vocabulary and over a draft vocabulary."""
+    target, drafter, markov, draft_vocab = models
     workdir = tmp_path_factory.mktemp("engines")
     # In-process engines (no spawned engine core and worker) start in seconds, not
     # minutes; a token budget above 512 prompts keeps prefills unchunked, since a
@@ -225,6 +242,9 @@ def engine_samples(models, tmp_path_factory) -> dict[str, dict]:
         "markov-sampled": {"engine": {**engine, "speculative_config": {
             **spec, "model": str(markov), "draft_sample_method": "probabilistic"}},
             "seeds": list(range(3 * N, 4 * N))},
+        "draft-vocab-sampled": {"engine": {**engine, "speculative_config": {
+            **spec, "model": str(draft_vocab), "draft_sample_method": "probabilistic"}},
+            "seeds": list(range(4 * N, 5 * N))},
     }
     out = {name: run_engine({"model": str(target), "prompts": [PROMPT] * N,
                              "max_tokens": MAX_TOKENS, "temperature": TEMPERATURE, **job},
@@ -236,7 +256,7 @@ def engine_samples(models, tmp_path_factory) -> dict[str, dict]:
     return out
 
 
-@pytest.mark.parametrize("engine", ["carryover", "markov-sampled"])
+@pytest.mark.parametrize("engine", ["carryover", "markov-sampled", "draft-vocab-sampled"])
 def test_carryover_engine_exercises_accept_reject_bonus_and_carried_states(engine_samples,
                                                                           engine):
     spec, co = engine_samples[engine]["spec"], engine_samples[engine]["carryover"]
@@ -250,7 +270,7 @@ def test_carryover_engine_exercises_accept_reject_bonus_and_carried_states(engin
     assert 0 < co["carryover_nonempty_slot_rounds"] < co["carryover_draft_rounds"]
 
 
-@pytest.mark.parametrize("engine", ["carryover", "markov-sampled"])
+@pytest.mark.parametrize("engine", ["carryover", "markov-sampled", "draft-vocab-sampled"])
 def test_carryover_sampling_matches_sampling_without_speculation(engine_samples, engine):
     rows = compare(engine_samples[engine]["tokens"], engine_samples["none"]["tokens"])
     report(f"{engine} vs no speculation", rows)

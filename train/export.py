@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import datetime
-import json
 from pathlib import Path
 
 import torch
 
 from vllm_carryover.checkpoint import save_drafter
 from vllm_carryover.draft_vocab import build as build_draft_vocab
-from vllm_carryover.drafter_validation import validate_drafter
+from vllm_carryover.drafter_validation import validate_for_target_folder
 
 
 def export(run_file: Path, out: Path, target: str, draft_vocab: int = 0) -> Path:
@@ -31,14 +30,6 @@ def export(run_file: Path, out: Path, target: str, draft_vocab: int = 0) -> Path
         counts = response_token_counts(data_dir(meta["data"]), cfg["vocab_size"])
         cfg, state = build_draft_vocab(cfg, state, target, counts, draft_vocab)
     path = save_drafter(out, cfg, state, dtype=torch.bfloat16)
-    target_cfg = json.loads((Path(target) / "config.json").read_text())
-    validate_drafter(path, _Cfg(target_cfg), cfg["block_size"] - 1)
+    validate_for_target_folder(path, target, cfg["block_size"] - 1)
     return path
 
-
-class _Cfg(dict):
-    def __getattr__(self, name: str) -> object:
-        try:
-            return self[name]
-        except KeyError as e:
-            raise AttributeError(name) from e

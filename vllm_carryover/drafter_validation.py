@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from vllm_carryover.checkpoint import read_tensor, read_weights_header
@@ -21,6 +22,14 @@ from vllm_carryover.drafter_format import (
     expected_shapes,
 )
 from vllm_carryover.markov_head import MARKOV_W1, MARKOV_W2
+
+
+def validate_for_target_folder(path: str | Path, target: str | Path,
+                               num_speculative_tokens: int | None) -> DrafterConfig:
+    """`validate_drafter` against a target folder's `config.json` (what the tools that
+    write drafters check them with, without loading a transformers config)."""
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    return validate_drafter(path, SimpleNamespace(**cfg), num_speculative_tokens)
 
 
 def _target_dims(target_cfg: Any) -> tuple[int, int, int]:

@@ -25,7 +25,7 @@ from vllm_carryover.drafter_format import (
     random_state_dict,
 )
 from vllm_carryover.drafter_source import resolve_drafter
-from vllm_carryover.drafter_validation import validate_drafter
+from vllm_carryover.drafter_validation import validate_for_target_folder
 
 
 def init_drafter(
@@ -79,18 +79,9 @@ def init_drafter(
               f"{cfg['carryover_config']['draft_vocab']['coverage']:.2%} of the target's "
               f"response tokens in {data}", file=sys.stderr)
     path = save_drafter(out, cfg, state, dtype)
-    validate_drafter(path, _AttrDict(target_cfg), None)
+    validate_for_target_folder(path, target, None)
     return path
 
-
-class _AttrDict(dict):
-    """A config.json dict readable like a transformers config (`cfg.hidden_size`)."""
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self[name]
-        except KeyError as e:
-            raise AttributeError(name) from e
 
 
 def main(argv: list[str] | None = None,
