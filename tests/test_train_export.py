@@ -81,10 +81,10 @@ def write_target_dataset(target: Path, layer_ids: list[int]) -> None:
     write_cached_dataset(target, DATA, rows, layer_ids)
 
 
-def export_run(target: Path, run: str, out: Path, cache: Path) -> Path:
+def export_run(target: Path, run: str, out: Path, cache: Path, *extra: str) -> Path:
     """`python -m train export` in a subprocess, as a user runs it."""
     cmd = [sys.executable, "-m", "train", "export", "--target", str(target), "--run", run,
-           "--out", str(out)]
+           "--out", str(out), *extra]
     env = dict(os.environ, VLLM_CARRYOVER_CACHE=str(cache), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -149,6 +149,32 @@ def test_export_writes_metadata_and_bf16_weights(
         assert torch.equal(state[name], value.to(torch.bfloat16)), name
     if recipe == "carryover":  # trained from zero on carried states: the mark has moved
         assert saved["meta"]["carried_states"] > 0 and state[REJECTED].abs().max() > 0
+
+
+def test_draft_vocabulary_export_keeps_its_map_through_more_training(
+        exported: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`export --draft-vocab 8` cuts the head to the 8 tokens the target wrote most in
+    the run's data; a carryover run started from that folder trains within those 8
+    tokens and keeps the same map."""
+    from vllm_carryover.drafter_format import D2T, LM_HEAD
+
+    folder = export_run(exported["target"], "tiny-carryover", tmp_path / "dv",
+                        exported["cache"], "--draft-vocab", "8")
+    cfg, state = load_drafter_state(folder)
+    assert cfg["draft_vocab_size"] == 8 and state[D2T].dtype == torch.int64
+    assert state[LM_HEAD].shape == (8, cfg["hidden_size"])
+    assert 0.5 < cfg["carryover_config"]["draft_vocab"]["coverage"] <= 1.0
+    monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(exported["cache"]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_carryover(CarryoverArgs(target=str(exported["target"]), run="tiny-dv",
+                                      init=str(folder), steps=3, **RUN))
+    finally:
+        torch.set_num_threads(threads)
+    saved = torch.load(run_dir("tiny-dv") / "final.pt")
+    assert saved["config"]["draft_vocab_size"] == 8
+    assert torch.equal(saved["state"][D2T], state[D2T])
 
 
 def generate(target: Path, workdir: Path, name: str,

@@ -110,11 +110,20 @@ class Trainer:
         self.done = Progress(counts=dict(counts))
         self.log_bytes = 0  # log.jsonl's length at the restored checkpoint
         self.vocab = None
-        if a.vocab_subset:  # the sampled softmax always covers the data's tokens
+        # a drafter with a draft vocabulary can only ever score those tokens: its softmax
+        # is over them (the data's among them, plus negatives from them); labels outside
+        # are remapped to IGNORE, since no training can make them draftable
+        self.universe = (None if model.draft_ids is None else model.draft_ids.cpu())
+        if a.vocab_subset or self.universe is not None:
             self.vocab = torch.unique(torch.cat([s.tokens for s in train]))
+            if self.universe is not None:
+                self.vocab = self.vocab[torch.isin(self.vocab, self.universe)]
         if self.vocab is not None and self.main:
             print(f"sampled softmax over {self.vocab.numel()} data tokens + "
-                  f"{a.num_negatives} random negatives per step")
+                  f"{a.num_negatives} random negatives per step"
+                  + ("" if self.universe is None else
+                     f" (all within the drafter's {self.universe.numel()}-token draft "
+                     "vocabulary)"))
         if a.resume:
             self._restore()
         elif self.main:
@@ -178,8 +187,8 @@ class Trainer:
         picks = torch.randint(len(self.train), (a.seqs_per_step,), generator=self.gen).tolist()
         self.opt.zero_grad(set_to_none=True)
         ids = None if self.vocab is None else step_vocab(
-            self.vocab, self.model.config.vocab_size, a.num_negatives, self.gen
-        ).to(self.place.device)
+            self.vocab, self.model.config.vocab_size, a.num_negatives, self.gen,
+            self.universe).to(self.place.device)
         metrics: dict[str, float] = {}
         counts = dict.fromkeys(self.done.counts, 0)
         for i in picks:

@@ -18,11 +18,15 @@ from vllm_carryover.torch_drafter import TorchDrafter
 
 
 def step_vocab(base: torch.Tensor, vocab_size: int, num_negatives: int,
-               gen: torch.Generator) -> torch.Tensor:
-    """Sorted ids: `base` (the data's tokens) plus up to `num_negatives` random others."""
+               gen: torch.Generator, universe: torch.Tensor | None = None) -> torch.Tensor:
+    """Sorted ids: `base` (the data's tokens) plus up to `num_negatives` random others,
+    drawn from `universe` (a draft vocabulary) when given, else from the vocabulary."""
     if num_negatives <= 0:
         return base
-    neg = torch.randint(vocab_size, (num_negatives,), generator=gen)
+    if universe is None:
+        neg = torch.randint(vocab_size, (num_negatives,), generator=gen)
+    else:
+        neg = universe[torch.randint(universe.numel(), (num_negatives,), generator=gen)]
     return torch.unique(torch.cat([base, neg]))
 
 
