@@ -91,3 +91,12 @@ def test_draft_vocabulary_survives_a_bfloat16_checkpoint_and_the_training_model(
     assert loaded[D2T].dtype == torch.int64  # ids stay exact; weights are bf16
     assert torch.equal(from_offsets(loaded[D2T]), ids)
     assert loaded[LM_HEAD].dtype == torch.bfloat16
+
+
+def test_training_negatives_come_from_the_draft_vocabulary():
+    from vllm_carryover.train.vocab_subset import step_vocab
+
+    universe = torch.tensor([2, 4, 8, 16, 32, 64])
+    ids = step_vocab(torch.tensor([4, 8]), VOCAB, 50, torch.Generator().manual_seed(0),
+                     universe)
+    assert set(ids.tolist()) <= set(universe.tolist()) and {4, 8} <= set(ids.tolist())

@@ -1,0 +1,144 @@
+"""Where one decode step's time goes, with carryover: target, drafter, sampling, the rest.
+
+One offline engine in this process (no engine-core process, no worker process,
+so the parts can be timed from here), one batch of held-out prompts, greedy,
+`ignore_eos`. Wall time is summed per part over the full-batch decode steps
+(prefill and the draining tail left out) and printed per step:
+
+  engine step       `LLMEngine.step`: everything one step costs
+  scheduler         `Scheduler.schedule` and `update_from_output`
+  target forward    the target model over the verified rows (1 + K per request)
+  sampling          the rejection sampler (or plain sampler)
+  drafter propose   the proposer's whole `propose` call, of which
+    context proj.   projecting the verified (and rejected) target states to K/V
+    drafter fwd     the drafter layers over the query block
+    LM head         the drafter's logits (`compute_logits`)
+  other             engine step minus scheduler, target, sampling and propose:
+                    input preparation, output processing, Python glue
+
+On a CPU there is nothing asynchronous to wait for, so these are the real costs.
+Multiprocess IPC is absent here by construction (served engines pay it on top).
+
+    python -m benchmarks.step_profile --batch 1
+    python -m benchmarks.step_profile --batch 16 --drafter DIR --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PARTS = ("engine step", "scheduler", "target forward", "sampling", "drafter propose",
+         "context proj.", "drafter fwd", "LM head")
+TOP_LEVEL = ("scheduler", "target forward", "sampling", "drafter propose")
+
+
+class PartTimer:
+    """Sums wall time per named part while `on`, counting engine steps."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.steps = 0
+        self.on = False
+
+    def wrap(self, owner: Any, attr: str, part: str) -> None:
+        inner: Callable[..., Any] = getattr(owner, attr)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if self.on:
+                    self.seconds[part] += time.perf_counter() - start
+
+        setattr(owner, attr, timed)
+
+    def per_step_ms(self) -> dict[str, float]:
+        out = {p: round(self.seconds[p] / max(self.steps, 1) * 1e3, 2) for p in PARTS}
+        out["other"] = round(out["engine step"] - sum(out[p] for p in TOP_LEVEL), 2)
+        return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.step_profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=1, help="concurrent requests")
+    p.add_argument("--drafter", help="carryover drafter folder (default: the shipped one); "
+                   "'none' profiles the target without speculation")
+    p.add_argument("-k", type=int, default=7)
+    p.add_argument("--dtype", default="auto", help="auto: the machine's fastest")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--out", help="also write the result as JSON here")
+    a = p.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+
+    from vllm import LLM, SamplingParams
+    from vllm_carryover.benchmarks.eval_prompts import chat_token_ids, heldout_prompts
+
+    from vllm_carryover.dtype import resolve_dtype
+    from vllm_carryover.run_settings import SHIPPED_DRAFTERS, resolve_target
+
+    target = resolve_target(None)
+    drafter = a.drafter or str(SHIPPED_DRAFTERS / "carryover")
+    spec = None if drafter == "none" else {
+        "method": "carryover", "model": drafter, "num_speculative_tokens": a.k,
+        "carryover": True}
+    per_category = chat_token_ids(target, heldout_prompts(max(1, a.batch // 5 + 1)))
+    mixed = [q for group in zip(*per_category.values(), strict=True) for q in group]
+    prompts = [{"prompt_token_ids": mixed[i % len(mixed)]} for i in range(a.batch)]
+    llm = LLM(model=target, dtype=resolve_dtype(a.dtype), enforce_eager=True,
+              max_model_len=4096, kv_cache_memory_bytes=1 << 30, seed=0,
+              speculative_config=spec, distributed_executor_backend="uni")
+    core = llm.llm_engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
+    timer = PartTimer()
+    timer.wrap(core.scheduler, "schedule", "scheduler")
+    timer.wrap(core.scheduler, "update_from_output", "scheduler")
+    timer.wrap(runner.model, "forward", "target forward")
+    timer.wrap(runner, "_sample", "sampling")
+    if spec is not None:
+        drafter_model = runner.drafter.model
+        timer.wrap(runner.drafter, "propose", "drafter propose")
+        timer.wrap(drafter_model, "precompute_and_store_context_kv", "context proj.")
+        timer.wrap(drafter_model, "forward", "drafter fwd")
+        timer.wrap(drafter_model, "compute_logits", "LM head")
+    params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True,
+                            detokenize=False)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    generated = 0
+    while engine.has_unfinished_requests():
+        running = len(core.scheduler.running)
+        full = running == a.batch and not core.scheduler.waiting
+        # a full-batch step that is not a prefill: every request has decoded before
+        timer.on = full and generated >= a.batch
+        start = time.perf_counter()
+        outs = engine.step()
+        if timer.on:
+            timer.seconds["engine step"] += time.perf_counter() - start
+            timer.steps += 1
+        generated += sum(1 for o in outs if o.outputs and o.outputs[0].token_ids)
+    result = {"batch": a.batch, "k": a.k if spec else 0, "dtype": resolve_dtype(a.dtype),
+              "drafter": drafter, "steps": timer.steps, "ms_per_step": timer.per_step_ms()}
+    width = max(map(len, result["ms_per_step"]))
+    print(f"batch {a.batch}, K={result['k']}, {result['dtype']}, {timer.steps} full-batch "
+          "decode steps, ms per step:")
+    for part, ms in result["ms_per_step"].items():
+        print(f"  {part:<{width}} {ms:8.2f}")
+    print(json.dumps(result))
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
