@@ -76,6 +76,9 @@ def main() -> None:
     p.add_argument("--dtype", default="auto", help="auto: the machine's fastest")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--out", help="also write the result as JSON here")
+    p.add_argument("--torch-profile", type=int, default=0, metavar="N",
+                   help="also print the N operators with the most self CPU time inside "
+                   "the drafter's propose calls (torch.profiler, measured steps only)")
     a = p.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
 
@@ -116,6 +119,23 @@ def main() -> None:
     engine = llm.llm_engine
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
+    op_self_us: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    if a.torch_profile and spec is not None:
+        from torch.profiler import ProfilerActivity, profile
+
+        propose = runner.drafter.propose
+
+        def profiled(*args: Any, **kwargs: Any) -> Any:
+            if not timer.on:
+                return propose(*args, **kwargs)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                out = propose(*args, **kwargs)
+            for event in prof.key_averages():
+                op_self_us[event.key][0] += event.self_cpu_time_total
+                op_self_us[event.key][1] += event.count
+            return out
+
+        runner.drafter.propose = profiled
     generated = 0
     while engine.has_unfinished_requests():
         running = len(core.scheduler.running)
@@ -128,6 +148,12 @@ def main() -> None:
             timer.seconds["engine step"] += time.perf_counter() - start
             timer.steps += 1
         generated += sum(1 for o in outs if o.outputs and o.outputs[0].token_ids)
+    if op_self_us:
+        top = sorted(op_self_us.items(), key=lambda kv: -kv[1][0])[: a.torch_profile]
+        print("drafter propose, self CPU ms per step by operator (profiled, so slower):")
+        for name, (us, calls) in top:
+            print(f"  {us / 1e3 / max(timer.steps, 1):8.3f}  {calls / max(timer.steps, 1):5.1f}"
+                  f" calls  {name}")
     result = {"batch": a.batch, "k": a.k if spec else 0, "dtype": resolve_dtype(a.dtype),
               "drafter": drafter, "steps": timer.steps, "ms_per_step": timer.per_step_ms()}
     width = max(map(len, result["ms_per_step"]))

@@ -191,6 +191,23 @@ class CarryoverProposer(DFlashProposer):
         )
 
     @override
+    def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # Two costs of vLLM's greedy drafting that matter on a CPU, where they were
+        # measured (docs/results.md): torch's CPU argmax over a 49k-token row is ~3x
+        # slower than max(-1).indices, which picks the same (first) maximum; and with a
+        # draft vocabulary vLLM scatters the draft logits into the whole vocabulary
+        # (-inf elsewhere) before that argmax. The maximum over the draft rows, mapped
+        # through d2t, is the same token (d2t is increasing, so ties too).
+        if self.use_local_argmax_reduction:
+            return super()._greedy_sample(hidden_states)
+        d2t = getattr(self.model, "draft_id_to_target_id", None)
+        if d2t is None:
+            return self.model.compute_logits(hidden_states).max(dim=-1).indices
+        logits = self.model.logits_processor(self.model.lm_head, hidden_states)
+        draft_ids = logits.max(dim=-1).indices
+        return draft_ids + d2t[draft_ids]
+
+    @override
     def _sample_draft_tokens(self, hidden_states: torch.Tensor,
                              sampling_metadata: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         head = self.model.markov_head
