@@ -205,15 +205,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
     left.minorticks_off()
     left.legend()
     right.plot(batches, [result["ratios"][str(b)] for b in batches], "o-", color="black")
-    if result["goal"]["ratio"] is not None:
-        right.axhline(GOAL_RATIO, color="tab:green", linestyle=":",
-                      label=f"goal {GOAL_RATIO}x")
     right.axhline(1.0, color="gray", linewidth=0.8)
     right.set(xscale="log", xlabel="batch size", ylabel=f"{names[0]} / {names[1]} (median)",
               title="step time ratio")
     right.set_xticks(batches, [str(b) for b in batches])
     right.minorticks_off()
-    right.legend()
+    if result["goal"]["ratio"] is not None:
+        right.axhline(GOAL_RATIO, color="tab:green", linestyle=":",
+                      label=f"goal {GOAL_RATIO}x")
+        right.legend()
     fig.suptitle(f"{result['machine']['platform']}, {result['machine']['cpus']} CPUs, "
                  f"K={result['args']['k']}", fontsize=9)
     fig.tight_layout()

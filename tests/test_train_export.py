@@ -177,6 +177,29 @@ def test_draft_vocabulary_export_keeps_its_map_through_more_training(
     assert torch.equal(saved["state"][D2T], state[D2T])
 
 
+def test_draft_vocab_command_converts_a_drafter_folder(exported: dict[str, Path],
+                                                       tmp_path: Path) -> None:
+    """`python -m train draft-vocab` on the baseline export (a plain DFlash folder): the
+    copy has the map and the target's head rows, and stays a plain DFlash folder."""
+    from vllm_carryover.checkpoint import read_weights_header
+    from vllm_carryover.draft_vocab import from_offsets, target_lm_head
+    from vllm_carryover.drafter_format import D2T, LM_HEAD
+
+    out = tmp_path / "dv"
+    cmd = [sys.executable, "-m", "train", "draft-vocab", "--drafter", str(exported["baseline"]),
+           "--out", str(out), "--size", "6", "--data", DATA, "--target", str(exported["target"])]
+    env = dict(os.environ, VLLM_CARRYOVER_CACHE=str(exported["cache"]), OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == str(out)
+    assert "draft vocabulary of 6 tokens covers" in proc.stderr
+    cfg, state = load_drafter_state(out)
+    assert cfg["draft_vocab_size"] == 6 and REJECTED not in read_weights_header(out)
+    ids = from_offsets(state[D2T])
+    head = target_lm_head(exported["target"])[ids].to(torch.bfloat16)
+    assert torch.equal(state[LM_HEAD], head)
+
+
 def generate(target: Path, workdir: Path, name: str,
              spec: dict[str, Any] | None = None) -> dict[str, Any]:
     job: dict[str, Any] = {"model": str(target), "prompts": random_prompts(4, seed=1),

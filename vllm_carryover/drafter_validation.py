@@ -153,11 +153,11 @@ def _check_draft_vocab(path: Path, header: dict[str, Any], d: DrafterConfig) -> 
         raise CarryoverConfigError(
             f"drafter tensor {D2T} in {path} is {header[D2T]['dtype']}; it must be an integer "
             "tensor (target id = draft id + d2t); rebuild the draft vocabulary with "
-            "`vllm-carryover init-drafter --draft-vocab N`")
+            "`python -m train draft-vocab`")
     ids = from_offsets(read_tensor(path, D2T))
     if d.draft_vocab_size > d.vocab_size or bool((ids[1:] <= ids[:-1]).any()) \
             or int(ids[0]) < 0 or int(ids[-1]) >= d.vocab_size:
         raise CarryoverConfigError(
             f"drafter {path} has a draft vocabulary ({D2T}) that does not map its "
             f"{d.draft_vocab_size} ids onto distinct target ids in 0..{d.vocab_size - 1} in "
-            "order; rebuild it with `vllm-carryover init-drafter --draft-vocab N`")
+            "order; rebuild it with `python -m train draft-vocab`")

@@ -40,13 +40,13 @@ def init_drafter(
     markov_rank: int = 0,
     from_dflash: str | Path | None = None,
     draft_vocab: int = 0,
-    data: str | Path | None = None,
+    token_counts: torch.Tensor | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Write a drafter folder for `target` into `out` and return its path; with
-    `draft_vocab` > 0 its LM head covers the tokens most frequent in the responses of
-    the dataset folder `data`."""
+    `draft_vocab` > 0 its LM head covers the tokens most frequent in `token_counts`
+    (the target's responses; `python -m train draft-vocab` counts a dataset's)."""
     target_cfg: dict[str, Any] = json.loads((Path(target) / "config.json").read_text())
     if from_dflash is not None:
         cfg, state = load_drafter_state(resolve_drafter(str(from_dflash)))
@@ -68,16 +68,9 @@ def init_drafter(
         )
         state = random_state_dict(DrafterConfig.from_dict(cfg), seed)
     if draft_vocab:
-        if data is None:
-            raise SystemExit("--draft-vocab needs --data: the dataset whose responses rank "
-                             "the tokens (`python -m train data` builds one)")
-        from vllm_carryover.train.data import response_token_counts
-
-        counts = response_token_counts(Path(data), target_cfg["vocab_size"])
-        cfg, state = build_draft_vocab(cfg, state, target, counts, draft_vocab)
-        print(f"init_drafter: draft vocabulary of {draft_vocab} tokens covers "
-              f"{cfg['carryover_config']['draft_vocab']['coverage']:.2%} of the target's "
-              f"response tokens in {data}", file=sys.stderr)
+        if token_counts is None:
+            raise ValueError("a draft vocabulary needs token_counts to rank the tokens")
+        cfg, state = build_draft_vocab(cfg, state, target, token_counts, draft_vocab)
     path = save_drafter(out, cfg, state, dtype)
     validate_for_target_folder(path, target, None)
     return path
@@ -113,12 +106,6 @@ def main(argv: list[str] | None = None,
     p.add_argument("--from-dflash", help="start from this DFlash checkpoint (a folder or a "
                    "Hugging Face hub id) instead of random weights; a missing rejected "
                    "embedding starts at zero")
-    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
-                   help="cut the drafter's LM head to the N tokens the target writes most "
-                   "often (counted in --data's responses): a cheaper drafting step, same "
-                   "output (default: 0, the whole vocabulary)")
-    p.add_argument("--data", help="dataset folder made by `python -m train data` (for "
-                   "--draft-vocab)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     a = p.parse_args(argv)
@@ -126,7 +113,7 @@ def main(argv: list[str] | None = None,
         a.target, a.out, num_layers=a.layers, block_size=a.block_size,
         target_layer_ids=a.target_layers, mask_token_id=a.mask_token_id,
         intermediate_size=a.intermediate_size, markov_rank=a.markov_rank,
-        from_dflash=a.from_dflash, draft_vocab=a.draft_vocab, data=a.data, seed=a.seed,
+        from_dflash=a.from_dflash, seed=a.seed,
         dtype=getattr(torch, a.dtype),
     )
     print(path)
