@@ -1,4 +1,4 @@
-"""`python -m train {data,baseline,carryover,export,draft-vocab,eval,headroom}`: drafter training."""
+"""`python -m train {data,baseline,carryover,export,draft-vocab,eval,headroom}`."""
 
 from __future__ import annotations
 
