@@ -23,6 +23,10 @@ per request), minus the first `--warmup-steps` of each command. The batch fills
 over the first steps (prefill) and thins out at the end, because requests that
 accept more drafts reach `--max-tokens` sooner. Writes draft_step.json (with
 every step), draft_step.md, draft_step.png and the engines' logs to --out.
+
+This module runs the two engines and holds the CLI; each engine's own process is
+`draft_step_engine`, and `draft_step_report` turns the timed steps into the
+statistics, ratios, table and plot.
 """
 
 from __future__ import annotations
@@ -35,7 +39,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from vllm_carryover.benchmarks.draft_step_report import (
+    kept_steps,
+    plot,
+    step_stats,
+    summarize,
+)
 from vllm_carryover.benchmarks.report import (
     DTYPE_HELP,
     DTYPES,
@@ -43,28 +52,22 @@ from vllm_carryover.benchmarks.report import (
     default_out_dir,
     fmt,
     header,
-    markdown_table,
-    pyplot,
-    ratio,
     write_json,
 )
 
-from vllm_carryover.engine_process import EngineProcess, child_commands, child_start
-from vllm_carryover.rows import check_rows, parse_row
+from vllm_carryover.engine_process import EngineProcess
+from vllm_carryover.rows import Row, check_rows, parse_row
 from vllm_carryover.run_settings import (
     REPO,
     SHIPPED_DRAFTERS,
     resolve_target,
-    serve_max_model_len,
 )
-from vllm_carryover.step_timer import ENV, read_steps
+from vllm_carryover.step_timer import ENV
 
 SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 
-CHILD_MODULE = "vllm_carryover.benchmarks.draft_step"
+CHILD_MODULE = "vllm_carryover.benchmarks.draft_step_engine"
 DEFAULT_DRAFTER = SMOLLM2 / "carryover"
-KV_CACHE_BYTES = 1 << 30
-GOAL_BATCH, GOAL_RATIO = 8, 1.05  # the issue's goal: on/off <= 1.05 at batch 8
 PROMPTS_PER_CATEGORY = 8
 WARMUP_TOKENS = 4  # warm-up command per engine: first shapes, allocator
 SETTLE_S = 0.5  # pause between commands, so one engine is idle before the other runs
@@ -111,114 +114,13 @@ def _interleaved_prompts(target: str, n: int) -> list[list[int]]:
     return [mixed[i % len(mixed)] for i in range(n)]
 
 
-def _child() -> None:
-    """Inside a row's process (`EngineProcess`): one engine, one reply per command.
-
-    A command is `{"prompts": [token ids, ...], "max_tokens": N}`; its reply holds
-    the step records the worker wrote meanwhile.
-    """
-    job, reply = child_start()
-    from vllm import LLM, SamplingParams
-
-    start = time.perf_counter()
-    llm = LLM(model=job["target"], speculative_config=job["speculative_config"],
-              dtype=job["dtype"], enforce_eager=True,
-              max_model_len=serve_max_model_len(job["target"]),
-              kv_cache_memory_bytes=KV_CACHE_BYTES, seed=0)
-    reply({"event": "ready", "startup_seconds": round(time.perf_counter() - start, 2)})
-    steps_dir, offsets = os.environ[ENV], {}
-    for cmd in child_commands():
-        params = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"],
-                                ignore_eos=True, detokenize=False)
-        prompts = [{"prompt_token_ids": p} for p in cmd["prompts"]]
-        read_steps(steps_dir, offsets)  # skip anything recorded before this command
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        reply({"event": "done", "seconds": round(time.perf_counter() - start, 3),
-               "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-               "steps": read_steps(steps_dir, offsets)})
-
-
-def kept_steps(steps: list[dict[str, Any]], batch: int, k: int,
-               warmup: int) -> list[dict[str, Any]]:
-    """Full-batch decode steps of one command, after its first `warmup` ones."""
-    decode = [s for s in steps if s["batch"] == batch and s["tokens"] == batch * (k + 1)]
-    return decode[warmup:]
-
-
-def step_stats(steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median, p90 and mean step time (ms) and carried / rejected states per step."""
-    if not steps:
-        return {"steps": 0, "median_ms": None, "p90_ms": None, "mean_ms": None,
-                "carried_per_step": None, "rejected_per_step": None}
-    ms = np.array([s["seconds"] * 1e3 for s in steps])
-    return {"steps": len(steps),
-            "median_ms": round(float(np.median(ms)), 4),
-            "p90_ms": round(float(np.percentile(ms, 90)), 4),
-            "mean_ms": round(float(ms.mean()), 4),
-            "carried_per_step": round(float(np.mean([s["carried"] for s in steps])), 3),
-            "rejected_per_step": round(float(np.mean([s["rejected"] or 0 for s in steps])), 3)}
-
-
-def row_specs(s: DraftStepSettings) -> tuple[str, str]:
+def compared_rows(s: DraftStepSettings) -> tuple[Row, Row]:
     """The two rows measured: `s.rows`, or the drafter with carryover on and off."""
     if s.rows:
         if len(s.rows) != 2:
             raise SystemExit(f"draft-step compares two rows; got {len(s.rows)} --row")
-        return s.rows[0], s.rows[1]
-    return f"on=carryover:{s.drafter}", f"off=carryover-off:{s.drafter}"
-
-
-def summary_table(result: dict[str, Any]) -> str:
-    """One line per batch size: both rows' median and p90, the ratio, the counts."""
-    first, second = names = list(result["rows"])
-    lines = []
-    for b in result["args"]["batches"]:
-        on, off = (result["rows"][r]["batches"][str(b)] for r in names)
-        lines.append([str(b), fmt(on["median_ms"], 2), fmt(on["p90_ms"], 2),
-                      fmt(off["median_ms"], 2), fmt(off["p90_ms"], 2),
-                      fmt(result["ratios"][str(b)]),
-                      " ".join(fmt(r, 3) for r in result["ratios_per_repeat"][str(b)]),
-                      f"{on['steps']} / {off['steps']}", fmt(on["carried_per_step"], 2)])
-    return markdown_table(["batch", f"{first} median ms", f"{first} p90 ms",
-                           f"{second} median ms", f"{second} p90 ms",
-                           f"{first}/{second} (median)", f"{first}/{second} per repeat",
-                           f"steps {first} / {second}", f"carried states / step ({first})"],
-                          lines)
-
-
-def plot(result: dict[str, Any], path: Path) -> None:
-    """Step ms against batch size (median, p90 dashed) and the on/off ratio."""
-    plt = pyplot()
-    batches = result["args"]["batches"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    names = list(result["rows"])
-    for name, color in zip(names, ("tab:red", "tab:blue"), strict=True):
-        per = result["rows"][name]["batches"]
-        left.plot(batches, [per[str(b)]["median_ms"] for b in batches], "o-", color=color,
-                  label=f"{name} (median)")
-        left.plot(batches, [per[str(b)]["p90_ms"] for b in batches], "--", color=color,
-                  alpha=0.5, label=f"{name} (p90)")
-    left.set(xscale="log", xlabel="batch size", ylabel="drafting step (ms)",
-             title="drafting step latency")
-    left.set_xticks(batches, [str(b) for b in batches])
-    left.minorticks_off()
-    left.legend()
-    right.plot(batches, [result["ratios"][str(b)] for b in batches], "o-", color="black")
-    right.axhline(1.0, color="gray", linewidth=0.8)
-    right.set(xscale="log", xlabel="batch size", ylabel=f"{names[0]} / {names[1]} (median)",
-              title="step time ratio")
-    right.set_xticks(batches, [str(b) for b in batches])
-    right.minorticks_off()
-    if result["goal"]["ratio"] is not None:
-        right.axhline(GOAL_RATIO, color="tab:green", linestyle=":",
-                      label=f"goal {GOAL_RATIO}x")
-        right.legend()
-    fig.suptitle(f"{result['machine']['platform']}, {result['machine']['cpus']} CPUs, "
-                 f"K={result['args']['k']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        return parse_row(s.rows[0]), parse_row(s.rows[1])
+    return Row("on", f"carryover:{s.drafter}"), Row("off", f"carryover-off:{s.drafter}")
 
 
 def _interleave(engines: dict[str, EngineProcess], prompts: list[list[int]],
@@ -246,46 +148,9 @@ def _interleave(engines: dict[str, EngineProcess], prompts: list[list[int]],
     return records
 
 
-def _summarize(result: dict[str, Any], records: list[dict[str, Any]],
-               s: DraftStepSettings) -> None:
-    """Per row and batch the pooled step statistics, the on/off ratios (pooled and per
-    repeat), the goal, and every command's raw steps; in place."""
-    def kept(row: str, batch: int, rep: int | None = None) -> list[dict[str, Any]]:
-        return [x for r in records if r["row"] == row and r["batch"] == batch
-                and rep in (None, r["repeat"]) for x in r["kept"]]
-
-    def median(row: str, batch: int, rep: int | None = None) -> float | None:
-        return step_stats(kept(row, batch, rep))["median_ms"]
-
-    first, second = names = list(result["rows"])
-
-    def on_off(batch: int, rep: int | None = None) -> float | None:
-        value = ratio(median(first, batch, rep), median(second, batch, rep))
-        return None if value is None else round(value, 4)
-
-    for name in names:
-        result["rows"][name]["batches"] = {str(b): step_stats(kept(name, b))
-                                           for b in s.batches}
-        result["rows"][name]["commands"] = [
-            {"repeat": r["repeat"], "batch": r["batch"], "seconds": r["seconds"],
-             "output_tokens": r["output_tokens"], "kept": len(r["kept"]),
-             "steps": [[round(x["seconds"] * 1e3, 3), x["batch"], x["tokens"], x["rejected"],
-                        x["carried"]] for x in r["steps"]]}
-            for r in records if r["row"] == name]
-    result["raw_step_fields"] = ["ms", "batch", "tokens", "rejected", "carried"]
-    result["ratios"] = {str(b): on_off(b) for b in s.batches}
-    result["ratios_per_repeat"] = {str(b): [on_off(b, rep) for rep in range(s.repeats)]
-                                   for b in s.batches}
-    # the goal (carryover's own cost) is about the default on/off pair only
-    goal = result["ratios"].get(str(GOAL_BATCH)) if names == ["on", "off"] else None
-    result["goal"] = {"batch": GOAL_BATCH, "max_ratio": GOAL_RATIO, "ratio": goal,
-                      "met": None if goal is None else goal <= GOAL_RATIO}
-    result["table"] = summary_table(result)
-
-
 def run_draft_step(s: DraftStepSettings, out: Path) -> dict[str, Any]:
     """Measure both rows interleaved; write JSON, markdown and PNG to `out`."""
-    rows = [parse_row(spec) for spec in row_specs(s)]
+    rows = compared_rows(s)
     if rows[0].name == rows[1].name:
         raise SystemExit(f"draft-step: both rows are named {rows[0].name!r}; use NAME=SPEC")
     configs = check_rows(rows, s.k)  # fails on a missing drafter before anything starts
@@ -316,7 +181,7 @@ def run_draft_step(s: DraftStepSettings, out: Path) -> dict[str, Any]:
         finally:
             for engine in engines.values():
                 engine.kill()
-    _summarize(result, records, s)
+    summarize(result, records, s.batches, s.repeats)
     write_json(out / "draft_step.json", result)
     (out / "draft_step.md").write_text(
         f"### Drafting step, {' vs '.join(configs)} (K={s.k}, {s.dtype}, {s.max_tokens} tokens, "
@@ -377,6 +242,3 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_draft_step)
     return p
 
-
-if __name__ == "__main__":
-    _child()

@@ -110,7 +110,8 @@ def test_float32_draft_vocabulary_drafter_is_token_identical_with_accepted_draft
     import torch
 
     from vllm_carryover.checkpoint import load_drafter_state, save_drafter
-    from vllm_carryover.draft_vocab import target_lm_head, token_counts, with_draft_vocab
+    from vllm_carryover.draft_vocab import token_counts, with_draft_vocab
+    from vllm_carryover.target_weights import target_lm_head
 
     head = target_lm_head(smollm2)
     counts = token_counts(reference_fp32["token_ids"], head.shape[0])

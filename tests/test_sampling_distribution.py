@@ -118,11 +118,11 @@ def cut_to_draft_vocab(drafter: Path, target: Path, out: Path, size: int = 40) -
     """A copy of `drafter` whose LM head covers the `size` tokens the target's prior
     favours most: the others are never drafted (probability 0), and the ones it keeps
     get the drafter's probabilities renormalised over them."""
-    from vllm_carryover.draft_vocab import target_lm_head, with_draft_vocab
+    from vllm_carryover.draft_vocab import with_draft_vocab
+    from vllm_carryover.target_weights import target_embedding, target_lm_head
 
     head = target_lm_head(target)
-    embed = load_file(str(target / "model.safetensors"))["model.embed_tokens.weight"]
-    prior = head @ embed.mean(0)  # every state leans along the shared direction
+    prior = head @ target_embedding(target).mean(0)  # every state leans along the shared direction
     ids = prior.argsort(descending=True)[:size].sort().values
     cfg, state = with_draft_vocab(*load_drafter_state(drafter), head, ids)
     return save_drafter(out, cfg, state)

@@ -17,7 +17,6 @@ from vllm_carryover.train.baseline import (
     Sequence,
     attach_markov_head,
     block_logits,
-    target_embedding,
 )
 from vllm_carryover.train.dflash_loss import slot_weights, weighted_block_ce
 from vllm_carryover.train.draft_verify_draft import (
@@ -35,6 +34,7 @@ from vllm_carryover.checkpoint import load_drafter_state
 from vllm_carryover.drafter_format import DrafterConfig
 from vllm_carryover.init_drafter import init_drafter
 from vllm_carryover.markov_head import MARKOV_W1, MARKOV_W2
+from vllm_carryover.target_weights import target_embedding
 from vllm_carryover.torch_drafter import TorchDrafter
 
 BLOCK = 6  # K = 5

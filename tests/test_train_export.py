@@ -182,8 +182,9 @@ def test_draft_vocab_command_converts_a_drafter_folder(exported: dict[str, Path]
     """`python -m train draft-vocab` on the baseline export (a plain DFlash folder): the
     copy has the map and the target's head rows, and stays a plain DFlash folder."""
     from vllm_carryover.checkpoint import read_weights_header
-    from vllm_carryover.draft_vocab import from_offsets, target_lm_head
+    from vllm_carryover.draft_vocab import from_offsets
     from vllm_carryover.drafter_format import D2T, LM_HEAD
+    from vllm_carryover.target_weights import target_lm_head
 
     out = tmp_path / "dv"
     cmd = [sys.executable, "-m", "train", "draft-vocab", "--drafter", str(exported["baseline"]),

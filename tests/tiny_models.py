@@ -9,6 +9,7 @@ import torch
 from vllm_carryover.checkpoint import load_drafter_state
 from vllm_carryover.drafter_format import DrafterConfig
 from vllm_carryover.init_drafter import init_drafter
+from vllm_carryover.target_weights import target_embedding
 from vllm_carryover.torch_drafter import TorchDrafter
 
 
@@ -40,12 +41,8 @@ def make_tiny_drafter(target: Path, out: Path, block_size: int = 5, seed: int = 
 
 def torch_drafter_for(drafter: Path, target: Path) -> TorchDrafter:
     """The plain PyTorch twin of a drafter folder, with the target's embeddings."""
-    from safetensors.torch import load_file
-
     cfg, state = load_drafter_state(drafter)
-    target_state = load_file(str(target / "model.safetensors"))
-    model = TorchDrafter(DrafterConfig.from_dict(cfg),
-                         target_state["model.embed_tokens.weight"].float())
+    model = TorchDrafter(DrafterConfig.from_dict(cfg), target_embedding(target))
     model.load_checkpoint_state(state)
     return model.eval()
 

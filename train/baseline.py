@@ -40,16 +40,8 @@ from vllm_carryover.drafter_format import (
 )
 from vllm_carryover.drafter_format import random_state_dict as random_drafter_state
 from vllm_carryover.markov_head import fresh_markov_state
+from vllm_carryover.target_weights import target_embedding
 from vllm_carryover.torch_drafter import TorchDrafter
-
-
-def target_embedding(target: str) -> torch.Tensor:
-    """The target's (tied) token embedding, float32."""
-    from safetensors import safe_open
-
-    with safe_open(str(Path(target) / "model.safetensors"), "pt") as f:
-        name = next(k for k in f.keys() if k.endswith("embed_tokens.weight"))  # noqa: SIM118
-        return f.get_tensor(name).float()
 
 
 def load_sequences(target: str, data: str, layer_ids: list[int], cached: bool = True

@@ -23,7 +23,6 @@ from vllm_carryover.train.baseline import (
     param_groups,
     sequence_feed,
     target_decoder,
-    target_embedding,
 )
 from vllm_carryover.train.device import placement
 from vllm_carryover.train.dflash_loss import (
@@ -46,6 +45,7 @@ from vllm_carryover.train.vocab_subset import remap_labels
 
 from vllm_carryover.checkpoint import load_drafter_state
 from vllm_carryover.drafter_format import DrafterConfig
+from vllm_carryover.target_weights import target_embedding
 from vllm_carryover.torch_drafter import TorchDrafter
 
 

@@ -50,8 +50,9 @@ def convert_to_draft_vocab(drafter: str, out: Path, target: str, data: str, size
     on the kept tokens, since the drafter's LM head is the target's."""
     from vllm_carryover.drafter_source import resolve_drafter
 
-    cfg, state = load_drafter_state(resolve_drafter(drafter))
-    if not has_rejected_embedding(resolve_drafter(drafter)):
+    folder = resolve_drafter(drafter)
+    cfg, state = load_drafter_state(folder)
+    if not has_rejected_embedding(folder):
         state.pop(REJECTED_EMBEDDING)  # loaded as zeros; a plain DFlash drafter stays one
     cfg, state = with_dataset_vocab(cfg, state, target, data, size)
     path = save_drafter(out, cfg, state, dtype=torch.bfloat16)

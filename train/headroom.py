@@ -93,10 +93,10 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
 
 def load_drafter(target: str, init: str) -> Any:
     """A TorchDrafter (eval mode) from a drafter folder or a run name."""
-    from vllm_carryover.train.baseline import target_embedding
     from vllm_carryover.train.carryover import load_init
 
     from vllm_carryover.drafter_format import DrafterConfig
+    from vllm_carryover.target_weights import target_embedding
     from vllm_carryover.torch_drafter import TorchDrafter
 
     cfg, state, _ = load_init(init)

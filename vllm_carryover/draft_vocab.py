@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from vllm_carryover.drafter_format import D2T, LM_HEAD
+from vllm_carryover.target_weights import target_lm_head
 
 
 def token_counts(sequences: Iterable[Iterable[int]], vocab_size: int) -> torch.Tensor:
@@ -89,21 +90,6 @@ def expand_logits(draft_logits: torch.Tensor, ids: torch.Tensor,
     full = draft_logits.new_full((*draft_logits.shape[:-1], vocab_size), float("-inf"))
     full[..., ids] = draft_logits
     return full
-
-
-def target_lm_head(target: str | Path) -> torch.Tensor:
-    """The target's LM head [V, H] (its token embedding when the two are tied)."""
-    from safetensors import safe_open
-
-    folder = Path(target)
-    cfg = json.loads((folder / "config.json").read_text())
-    name = "model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"
-    files = sorted(folder.glob("*.safetensors"))
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            if name in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
-                return f.get_tensor(name).float()
-    raise FileNotFoundError(f"{folder} has no {name} in {[f.name for f in files]}")
 
 
 def end_tokens(target: str | Path) -> list[int]:
