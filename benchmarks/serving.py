@@ -49,16 +49,13 @@ from vllm_carryover.server_process import VllmServer
 
 SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 
-# Drafting only while at most ADAPTIVE_MAX_BATCH requests run, plain decoding above
-# (vLLM's batch-size schedule, passed through by the plugin).
-ADAPTIVE_MAX_BATCH = 4
-ADAPTIVE = {"method": "carryover", "model": str(SMOLLM2 / "carryover"),
-            "num_speculative_tokens_per_batch_size": [[1, ADAPTIVE_MAX_BATCH, 7],
-                                                      [ADAPTIVE_MAX_BATCH + 1, 1024, 0]]}
+# K per step by measured goodput (vllm_carryover/goodput_k.py), 0 included.
+GOODPUT = {"method": "carryover", "model": str(SMOLLM2 / "carryover"),
+           "num_speculative_tokens_per_batch_size": "goodput"}
 DEFAULT_ROWS = ["none", "ngram", f"dflash=dflash:{SMOLLM2 / 'dflash-baseline'}",
                 f"carryover-off=carryover-off:{SMOLLM2 / 'carryover'}",
                 f"carryover=carryover:{SMOLLM2 / 'carryover'}",
-                f"carryover-adaptive={json.dumps(ADAPTIVE)}"]
+                f"carryover-goodput={json.dumps(GOODPUT)}"]
 SIZES: dict[str, dict[str, Any]] = {
     "quick": {"num_prompts": 2, "max_tokens": 32, "concurrency": [1, 4], "repeats": 1},
     "full": {"num_prompts": 4, "max_tokens": 64, "concurrency": [1, 4, 16], "repeats": 2}}
@@ -67,8 +64,10 @@ SIZES: dict[str, dict[str, Any]] = {
 METRICS = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")
 KV_CACHE_BYTES = 512 << 20  # per server; six of them share the machine's memory
 # Goals of the issue, checked where the rows exist: (row, baseline, concurrency, min ratio).
-GOALS = [("carryover", "carryover-off", 1, 1.14), ("carryover", "none", 1, 2.5),
-         ("carryover", "none", 16, 1.0), ("carryover-adaptive", "none", 16, 1.0)]
+GOALS = [("carryover", "none", 1, 2.0), ("carryover", "ngram", 1, 1.5),
+         ("carryover", "none", 4, 1.3), ("carryover", "none", 16, 1.0),
+         ("carryover-goodput", "none", 1, 2.0), ("carryover-goodput", "ngram", 1, 1.5),
+         ("carryover-goodput", "none", 4, 1.3), ("carryover-goodput", "none", 16, 1.0)]
 
 
 def write_prompts(target: str, num_per_category: int, categories: tuple[str, ...],

@@ -72,7 +72,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="concurrent requests")
     p.add_argument("--drafter", help="carryover drafter folder (default: the shipped one); "
                    "'none' profiles the target without speculation")
-    p.add_argument("-k", type=int, default=7)
+    p.add_argument("-k", type=int, default=7,
+                   help="drafted tokens per step; 0: none, through vLLM's batch-size schedule "
+                   "(the drafter still keeps its context, as K by goodput does at K=0)")
     p.add_argument("--dtype", default="auto", help="auto: the machine's fastest")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--out", help="also write the result as JSON here")
@@ -91,8 +93,10 @@ def main() -> None:
     target = resolve_target(None)
     drafter = a.drafter or str(SHIPPED_DRAFTERS / "carryover")
     spec = None if drafter == "none" else {
-        "method": "carryover", "model": drafter, "num_speculative_tokens": a.k,
+        "method": "carryover", "model": drafter, "num_speculative_tokens": a.k or 7,
         "carryover": True}
+    if spec is not None and a.k == 0:  # what K by goodput does when drafting does not pay
+        spec["num_speculative_tokens_per_batch_size"] = [[1, 1 << 20, 0]]
     per_category = chat_token_ids(target, heldout_prompts(max(1, a.batch // 5 + 1)))
     mixed = [q for group in zip(*per_category.values(), strict=True) for q in group]
     prompts = [{"prompt_token_ids": mixed[i % len(mixed)]} for i in range(a.batch)]

@@ -162,6 +162,9 @@ BAD_INPUTS: dict[str, BadInput] = {
                                spec={"num_speculative_tokens": 8}, cli=True),
     "carryover_not_bool": BadInput(("'carryover' must be true or false, got 'yes'",),
                                    spec={"carryover": "yes"}),
+    "k_schedule_unknown_word": BadInput(("'num_speculative_tokens_per_batch_size' must be "
+                                         "\"goodput\" or a list", "got 'auto'"),
+                                        spec={"num_speculative_tokens_per_batch_size": "auto"}),
     "unpadded_drafter_batch": BadInput(("needs vLLM's padded drafter batch",
                                         "remove 'disable_padded_drafter_batch'"),
                                        spec={"disable_padded_drafter_batch": True}),

@@ -141,6 +141,19 @@ def test_batch_size_schedule_drafts_only_in_small_batches_and_stays_identical(
     assert 0 < steps_with_drafts < 0.5 * MAX_TOKENS  # most steps ran with 16 requests
 
 
+def test_goodput_k_switches_k_and_stays_identical(
+        smollm2, prompts, trained_drafter, reference_fp32, tmp_path):
+    """`"num_speculative_tokens_per_batch_size": "goodput"`: the scheduler picks every
+    step's K from measured acceptance and step times (`goodput_k`), its probes alone
+    cycling through the other Ks; verification is unchanged, so the output is too."""
+    out = generate(smollm2, prompts, tmp_path, "carryover-goodput", trained_drafter,
+                   num_speculative_tokens_per_batch_size="goodput")
+    assert out["token_ids"] == reference_fp32["token_ids"]
+    spec = out["spec"]
+    assert spec["spec_decode_num_drafts"] > 0
+    assert spec["spec_decode_num_draft_tokens"] < 7 * spec["spec_decode_num_drafts"]
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 

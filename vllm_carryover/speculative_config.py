@@ -24,6 +24,7 @@ METHOD = "carryover"
 HF_ATTR = "carryover_runtime"
 
 # Our own keys, with their meaning (shown in errors and the README).
+GOODPUT = "goodput"  # num_speculative_tokens_per_batch_size: K by measured goodput
 CARRYOVER_KEYS: dict[str, str] = {
     "carryover": "true: the next draft attends to the rejected states of the last "
     "verify step; false: plain DFlash drafting on the same weights; default: true if "
@@ -53,6 +54,7 @@ class CarryoverSettings:
     """What the proposer needs to know beyond vLLM's DFlash settings."""
 
     enabled: bool = True
+    goodput_k: bool = False  # K per step by measured goodput (`goodput_k`)
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> CarryoverSettings:
@@ -77,6 +79,12 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
             f"allowed keys: {', '.join(ALLOWED_KEYS)}"
         )
     enabled = spec.pop("carryover", None)
+    schedule = spec.get("num_speculative_tokens_per_batch_size")
+    if isinstance(schedule, str) and schedule != GOODPUT:
+        raise CarryoverConfigError(
+            f"'num_speculative_tokens_per_batch_size' must be \"{GOODPUT}\" or a list of "
+            f"[first batch size, last batch size, K], got {schedule!r}")
+    goodput_k = schedule == GOODPUT
     if enabled is not None and not isinstance(enabled, bool):
         raise CarryoverConfigError(
             f"'carryover' must be true or false, got {enabled!r}")
@@ -106,8 +114,10 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
         spec["num_speculative_tokens"] = drafter.block_size - 1
     if enabled is None:
         enabled = default_enabled(folder)
+    if goodput_k:  # vLLM's dynamic K on; the scheduler's lookup is replaced (vllm_patches)
+        spec["num_speculative_tokens_per_batch_size"] = [[1, 1, spec["num_speculative_tokens"]]]
     spec["method"] = "dflash"
-    return spec, CarryoverSettings(enabled=enabled)
+    return spec, CarryoverSettings(enabled=enabled, goodput_k=goodput_k)
 
 
 def default_enabled(folder: Path) -> bool:
@@ -163,7 +173,14 @@ def attach(spec_config: Any, settings: CarryoverSettings) -> None:
     setattr(spec_config.draft_model_config.hf_config, HF_ATTR, asdict(settings))
 
 
-def wants_carryover(vllm_config: Any) -> bool:
+def runtime_settings(vllm_config: Any) -> CarryoverSettings | None:
+    """The carryover settings of an engine's config; None for any other config."""
     spec = getattr(vllm_config, "speculative_config", None)
     draft = getattr(spec, "draft_model_config", None)
-    return draft is not None and getattr(draft.hf_config, HF_ATTR, None) is not None
+    if draft is None or getattr(draft.hf_config, HF_ATTR, None) is None:
+        return None
+    return CarryoverSettings.from_hf_config(draft.hf_config)
+
+
+def wants_carryover(vllm_config: Any) -> bool:
+    return runtime_settings(vllm_config) is not None

@@ -1,0 +1,93 @@
+"""K by measured goodput (`goodput_k`): the acceptance counts, the cost fit, the choice
+and the probes, on synthetic steps whose true costs are known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_carryover.goodput_k import GoodputK, KLookup, TimedStep, expected_tokens
+
+K_MAX = 7
+
+
+def feed(g: GoodputK, cost: tuple[float, float, float, float], accept: float,
+         steps: int = 400, seed: int = 0) -> None:
+    """Steps at random batch sizes, each verifying the last step's K drafts and drafting
+    a random K, timed by a known linear cost (plus 1 % noise); every request accepts
+    each draft with probability `accept`."""
+    rng = np.random.default_rng(seed)
+    c0, c1, c_verify, c_draft = cost
+    last_k = K_MAX
+    for _ in range(steps):
+        batch, k = int(rng.integers(1, 33)), int(rng.integers(0, K_MAX + 1))
+        for _ in range(batch):
+            if last_k:
+                accepted = 0
+                while accepted < last_k and rng.random() < accept:
+                    accepted += 1
+                g.observe_request(last_k, accepted)
+        verified, drafted = batch * last_k, batch * k
+        last_k = k
+        seconds = c0 + c1 * batch + c_verify * verified + c_draft * drafted
+        g.observe_step(TimedStep(batch, verified, drafted, seconds * rng.normal(1, 0.01)))
+
+
+def test_expected_tokens_counts_the_bonus_token_and_each_accepted_prefix() -> None:
+    accept = np.array([0.5, 0.5, 1.0])
+    assert expected_tokens(accept, 0) == 1.0
+    assert expected_tokens(accept, 1) == 1.5
+    assert expected_tokens(accept, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
+
+
+def test_acceptance_is_conditional_on_reaching_the_position() -> None:
+    g = GoodputK(K_MAX)
+    g.observe_request(drafted=7, accepted=2)  # positions 1, 2 accepted, 3 rejected
+    g.observe_request(drafted=7, accepted=0)  # position 1 rejected
+    g.observe_request(drafted=2, accepted=2)  # both accepted, nothing further drafted
+    assert g.acceptance().tolist() == [2 / 3, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_the_cost_fit_recovers_the_true_costs() -> None:
+    g = GoodputK(K_MAX)
+    cost = (0.02, 0.001, 0.0005, 0.0002)
+    feed(g, cost, accept=0.5)
+    assert g.coef == pytest.approx(cost, rel=0.1, abs=2e-4)
+
+
+def test_k_max_until_the_fit_has_seen_two_ks() -> None:
+    g = GoodputK(K_MAX, min_fit_steps=4)
+    for _ in range(10):
+        g.observe_step(TimedStep(batch=4, verified=28, drafted=28, seconds=0.05))
+    assert g.coef is None and g.best_k(4) == K_MAX
+
+
+def test_nothing_accepted_means_no_drafts() -> None:
+    g = GoodputK(K_MAX)
+    feed(g, (0.02, 0.001, 0.0005, 0.0002), accept=0.0)
+    assert [g.best_k(b) for b in (1, 4, 16)] == [0, 0, 0]
+
+
+def test_cheap_drafts_that_are_always_accepted_mean_k_max() -> None:
+    g = GoodputK(K_MAX)
+    feed(g, (0.05, 0.0001, 0.0001, 0.00005), accept=1.0)
+    assert [g.best_k(b) for b in (1, 4, 16)] == [K_MAX] * 3
+
+
+def test_k_falls_as_the_batch_grows_when_verifying_costs_per_token() -> None:
+    """A fixed step cost dominates small batches, the per-token cost large ones: the
+    same acceptance pays for deep drafts at batch 1 and for none at batch 32."""
+    g = GoodputK(K_MAX)
+    feed(g, (0.03, 0.0005, 0.002, 0.0005), accept=0.6)
+    ks = [g.best_k(b) for b in (1, 2, 4, 8, 16, 32)]
+    assert ks[0] >= 3 and ks[-1] == 0
+    assert ks == sorted(ks, reverse=True)
+    assert [r[2] for r in g.schedule(32)] == sorted({*ks}, reverse=True)
+
+
+def test_probes_cycle_through_the_other_ks() -> None:
+    g = GoodputK(K_MAX, probe_every=4)
+    chosen = [KLookup(g)[8] for _ in range(4 * 2 * (K_MAX + 1))]
+    probes = chosen[3::4]
+    assert all(k == K_MAX for i, k in enumerate(chosen) if i % 4 != 3)
+    assert set(probes) == set(range(K_MAX))  # every K but the chosen one

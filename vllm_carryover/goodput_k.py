@@ -1,0 +1,167 @@
+"""K by measured goodput: how many tokens to draft per step at the current load.
+
+Drafting K tokens pays when the extra accepted tokens are worth more than the
+extra time: at batch size B a step yields B * E(K) tokens, with
+E(K) = 1 + sum_{j<=K} P(the first j drafts are all accepted), and costs t(B, K).
+Both sides are measured while serving, in the scheduler's process:
+
+- acceptance per draft position, from every verified request (how many of its
+  drafts were accepted), as conditional rates p_j = P(position j accepted |
+  positions < j accepted), decayed so that the estimate follows the traffic;
+- the step time, wall clock between the ends of consecutive decode steps, fitted
+  by least squares as t = c0 + c1 * B + c2 * drafts verified + c3 * tokens drafted
+  (a step verifies the drafts of the step before and drafts those of the next), so
+  a K never tried at this batch size still gets a cost.
+
+`choose(B)` is the K in 0..k_max with the most tokens per second; K = 0 drafts
+nothing, which costs a plain decode step plus the drafter keeping its context
+(vLLM's DFlash runs the drafter even then). Every `probe_every` steps one step
+drafts another K, cycling through 0..k_max, so that the cost fit sees every K and
+acceptance keeps being measured while the chosen K is 0. Until the fit has enough
+steps, K stays k_max. Verification is unchanged by K, so greedy output is too.
+
+vLLM's dynamic speculative decoding (`num_speculative_tokens_per_batch_size`)
+supplies the rest: the scheduler asks `lookup[batch size]` for each step's K, and
+the runner drafts that many; `vllm_patches` hands it a `KLookup` over this.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+PROBE_EVERY = 16  # one step in PROBE_EVERY drafts a K other than the chosen one
+MIN_FIT_STEPS = 32  # decode steps timed before the fit replaces k_max
+HALF_LIFE_STEPS = 512  # acceptance counts and timed steps age over this many steps
+REFIT_EVERY = 8  # steps between refits of the cost model
+
+
+@dataclass(frozen=True)
+class TimedStep:
+    """One decode step as the scheduler saw it."""
+
+    batch: int  # requests in the step
+    verified: int  # drafts the target verified (beyond one token per request)
+    drafted: int  # tokens drafted at the end of the step, for the next one
+    seconds: float
+
+
+def expected_tokens(accept: np.ndarray, k: int) -> float:
+    """Tokens per request per step with K = k drafts, given conditional acceptance
+    rates `accept[j]` of position j + 1: the bonus token plus each accepted prefix."""
+    return 1.0 + float(np.cumprod(accept[:k]).sum())
+
+
+class GoodputK:
+    """Acceptance and step-cost estimates, and the K they make best per batch size."""
+
+    def __init__(self, k_max: int, probe_every: int = PROBE_EVERY,
+                 min_fit_steps: int = MIN_FIT_STEPS, half_life: int = HALF_LIFE_STEPS):
+        self.k_max = k_max
+        self.probe_every = probe_every
+        self.min_fit_steps = min_fit_steps
+        self.decay = 0.5 ** (1.0 / half_life)
+        # decayed counts: requests that reached position j, and were accepted there
+        self.reached = np.zeros(k_max)
+        self.accepted = np.zeros(k_max)
+        self.steps: deque[TimedStep] = deque(maxlen=4 * half_life)
+        self.coef: np.ndarray | None = None  # c0..c3 of the cost fit
+        self.timed_steps = 0
+        self._calls = 0
+        self._since_fit = 0
+        self._probe_k = 0
+
+    # -- what the scheduler reports ------------------------------------------------
+    def observe_request(self, drafted: int, accepted: int) -> None:
+        """One verified request: `accepted` of its `drafted` tokens were accepted."""
+        drafted = min(drafted, self.k_max)
+        accepted = max(0, min(accepted, drafted))
+        # position j (0-based) was reached if all before it were accepted
+        reached = min(drafted, accepted + 1)
+        self.reached[:reached] += 1.0
+        self.accepted[:accepted] += 1.0
+
+    def observe_step(self, step: TimedStep) -> None:
+        """One timed decode step; ages the acceptance counts by one step."""
+        self.steps.append(step)
+        self.timed_steps += 1
+        self.reached *= self.decay
+        self.accepted *= self.decay
+        self._since_fit += 1
+        if self._since_fit >= REFIT_EVERY:
+            self._since_fit = 0
+            self.coef = self.fit()
+
+    # -- estimates -----------------------------------------------------------------
+    def acceptance(self) -> np.ndarray:
+        """Conditional acceptance rate per draft position; 0 where nothing was seen
+        (a position never reached cannot be counted on)."""
+        out = np.zeros(self.k_max)
+        seen = self.reached > 1e-9
+        out[seen] = self.accepted[seen] / self.reached[seen]
+        return out
+
+    def fit(self) -> np.ndarray | None:
+        """Least-squares step cost over the timed steps (older steps weigh less);
+        None until there are enough of them with more than one K."""
+        if len(self.steps) < self.min_fit_steps:
+            return None
+        s = list(self.steps)
+        x = np.array([[1.0, t.batch, t.verified, t.drafted] for t in s])
+        if len({t.drafted // max(t.batch, 1) for t in s}) < 2:
+            return None  # one K only: the cost of another is not measured yet
+        y = np.array([t.seconds for t in s])
+        w = np.sqrt(self.decay ** np.arange(len(s))[::-1])
+        coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+        return np.maximum(coef, 0.0)  # a negative cost per token is noise
+
+    def step_seconds(self, batch: int, k: int) -> float:
+        c = self.coef
+        assert c is not None
+        return float(c[0] + c[1] * batch + (c[2] + c[3]) * batch * k)
+
+    def best_k(self, batch: int) -> int:
+        """The K with the most tokens per second at this batch size (the smallest on
+        ties); k_max while the cost fit is not ready."""
+        if self.coef is None:
+            return self.k_max
+        accept = self.acceptance()
+        rates = [batch * expected_tokens(accept, k) / max(self.step_seconds(batch, k), 1e-9)
+                 for k in range(self.k_max + 1)]
+        return int(np.argmax(rates))
+
+    # -- what the scheduler asks -----------------------------------------------------
+    def choose(self, batch: int) -> int:
+        """K for the next step at this batch size; every `probe_every`-th call probes."""
+        self._calls += 1
+        best = self.best_k(batch)
+        if self.probe_every and self._calls % self.probe_every == 0:
+            self._probe_k = (self._probe_k + 1) % (self.k_max + 1)
+            if self._probe_k == best:
+                self._probe_k = (self._probe_k + 1) % (self.k_max + 1)
+            return self._probe_k
+        return best
+
+    def schedule(self, max_batch: int) -> list[tuple[int, int, int]]:
+        """The current choice as vLLM's `[(first, last, K), ...]` ranges (for logs)."""
+        out: list[tuple[int, int, int]] = []
+        for b in range(1, max_batch + 1):
+            k = self.best_k(b)
+            if out and out[-1][2] == k:
+                out[-1] = (out[-1][0], b, k)
+            else:
+                out.append((b, b, k))
+        return out
+
+
+class KLookup:
+    """What vLLM's scheduler indexes as `dynamic_sd_lookup[batch size]`: asks the
+    controller instead of a fixed table."""
+
+    def __init__(self, controller: GoodputK):
+        self.controller = controller
+
+    def __getitem__(self, batch: int) -> int:
+        return self.controller.choose(batch)
