@@ -297,14 +297,24 @@ def test_valid_config_becomes_dflash_with_carryover_enabled(smollm2, random_draf
     spec = config.speculative_config
     assert spec.method == "dflash"
     assert spec.num_speculative_tokens == 4
-    assert spec.draft_model_config.hf_config.carryover_runtime == {"enabled": True}
+    assert spec.draft_model_config.hf_config.carryover_runtime == {"enabled": True,
+                                                                    "goodput_k": False}
 
 
 def test_carryover_false_keeps_dflash_with_carryover_disabled(smollm2, random_drafter):
     config = engine_config(smollm2, carryover(random_drafter, carryover=False))
     assert config.speculative_config.method == "dflash"
     assert config.speculative_config.draft_model_config.hf_config.carryover_runtime == {
-        "enabled": False}
+        "enabled": False, "goodput_k": False}
+
+
+def test_goodput_k_turns_on_vllms_dynamic_k_and_tells_the_scheduler(smollm2, random_drafter):
+    config = engine_config(smollm2, carryover(random_drafter,
+                                              num_speculative_tokens_per_batch_size="goodput"))
+    spec = config.speculative_config
+    assert spec.num_speculative_tokens_per_batch_size == [(1, 1, 4)]
+    assert spec.draft_model_config.hf_config.carryover_runtime == {"enabled": True,
+                                                                   "goodput_k": True}
 
 
 def test_wrong_type_for_a_vllm_key_is_refused_in_one_line(smollm2, random_drafter):
