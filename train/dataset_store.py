@@ -9,9 +9,10 @@ in files small enough to commit:
 
 Token ids are stored flat (uint16 when the vocabulary fits, else uint32) with
 lengths, compressed. A response shard is written whole (temporary file, then
-rename) once all its prompts are answered, so an interrupted run loses only the
-shards in flight and a resumed run, here or on a machine that has only the
-committed files, generates exactly the missing ones.
+rename, as is every rewrite of the manifest) once all its prompts are answered,
+so an interrupted run loses only the shards in flight and a resumed run, here or
+on a machine that has only the committed files, generates exactly the missing
+ones.
 """
 
 from __future__ import annotations
@@ -49,15 +50,20 @@ def _unpack(tokens: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
     return [tokens[e - n:e].astype(np.int64).tolist() for n, e in zip(lengths, ends, strict=True)]
 
 
+def _write_atomically(path: Path, blob: bytes) -> None:
+    """A run killed at any moment leaves the old file or the new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(blob)
+    os.replace(tmp, path)
+
+
 def _save_npz(path: Path, **arrays: np.ndarray) -> str:
     """Write atomically; return the file's sha256."""
     buf = io.BytesIO()
     np.savez_compressed(buf, **arrays)
     blob = buf.getvalue()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(blob)
-    os.replace(tmp, path)
+    _write_atomically(path, blob)
     return hashlib.sha256(blob).hexdigest()
 
 
@@ -138,7 +144,7 @@ def write_manifest(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
                     response_tokens=total("train", "response_tokens")
                     + total("heldout", "response_tokens"),
                     per_category=counts, files=files, sha256=combined.hexdigest())
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    _write_atomically(folder / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     return manifest
 
 
