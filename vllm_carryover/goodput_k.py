@@ -48,10 +48,16 @@ class TimedStep:
     seconds: float
 
 
+def expected_tokens_by_k(accept: np.ndarray) -> np.ndarray:
+    """Tokens per request per step for K = 0..len(accept), given conditional
+    acceptance rates `accept[j]` of position j + 1: the bonus token plus each
+    accepted prefix."""
+    return 1.0 + np.concatenate(([0.0], np.cumsum(np.cumprod(accept))))
+
+
 def expected_tokens(accept: np.ndarray, k: int) -> float:
-    """Tokens per request per step with K = k drafts, given conditional acceptance
-    rates `accept[j]` of position j + 1: the bonus token plus each accepted prefix."""
-    return 1.0 + float(np.cumprod(accept[:k]).sum())
+    """`expected_tokens_by_k` for one K."""
+    return float(expected_tokens_by_k(accept[:k])[-1])
 
 
 class GoodputK:
@@ -117,19 +123,20 @@ class GoodputK:
         coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
         return np.maximum(coef, 0.0)  # a negative cost per token is noise
 
-    def step_seconds(self, batch: int, k: int) -> float:
+    def step_seconds(self, batch: int, k: int | np.ndarray) -> float | np.ndarray:
+        """Fitted cost of a steady step: each step verifies as many drafts as it drafts."""
         c = self.coef
         assert c is not None
-        return float(c[0] + c[1] * batch + (c[2] + c[3]) * batch * k)
+        return c[0] + c[1] * batch + (c[2] + c[3]) * batch * k
 
     def best_k(self, batch: int) -> int:
         """The K with the most tokens per second at this batch size (the smallest on
         ties); k_max while the cost fit is not ready."""
         if self.coef is None:
             return self.k_max
-        accept = self.acceptance()
-        rates = [batch * expected_tokens(accept, k) / max(self.step_seconds(batch, k), 1e-9)
-                 for k in range(self.k_max + 1)]
+        # called every scheduler step: all Ks at once
+        seconds = self.step_seconds(batch, np.arange(self.k_max + 1))
+        rates = batch * expected_tokens_by_k(self.acceptance()) / np.maximum(seconds, 1e-9)
         return int(np.argmax(rates))
 
     # -- what the scheduler asks -----------------------------------------------------
