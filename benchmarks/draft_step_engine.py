@@ -16,10 +16,8 @@ import os
 import time
 
 from vllm_carryover.engine_process import child_commands, child_start
-from vllm_carryover.run_settings import serve_max_model_len
+from vllm_carryover.run_settings import KV_CACHE_BYTES, serve_max_model_len
 from vllm_carryover.step_timer import ENV, read_steps
-
-KV_CACHE_BYTES = 1 << 30
 
 
 def main() -> None:

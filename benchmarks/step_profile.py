@@ -34,6 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_carryover.run_settings import KV_CACHE_BYTES
+
 PARTS = ("engine step", "scheduler", "target forward", "sampling", "drafter propose",
          "context proj.", "drafter fwd", "LM head")
 TOP_LEVEL = ("scheduler", "target forward", "sampling", "drafter propose")
@@ -101,7 +103,7 @@ def main() -> None:
     mixed = [q for group in zip(*per_category.values(), strict=True) for q in group]
     prompts = [{"prompt_token_ids": mixed[i % len(mixed)]} for i in range(a.batch)]
     llm = LLM(model=target, dtype=resolve_dtype(a.dtype), enforce_eager=True,
-              max_model_len=4096, kv_cache_memory_bytes=1 << 30, seed=0,
+              max_model_len=4096, kv_cache_memory_bytes=KV_CACHE_BYTES, seed=0,
               speculative_config=spec, distributed_executor_backend="uni")
     core = llm.llm_engine.engine_core.engine_core
     runner = core.model_executor.driver_worker.worker.model_runner

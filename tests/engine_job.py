@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 from vllm_carryover.engine_process import child_start
+from vllm_carryover.run_settings import KV_CACHE_BYTES
 
 
 def top2(step: dict) -> list[float]:
@@ -29,7 +30,7 @@ def main() -> None:
     from vllm_carryover.metrics import read_counters, spec_decode_counters
 
     engine = dict(dtype="float32", enforce_eager=True, max_model_len=1024,
-                  kv_cache_memory_bytes=1 << 30, disable_log_stats=False,
+                  kv_cache_memory_bytes=KV_CACHE_BYTES, disable_log_stats=False,
                   skip_tokenizer_init=True)
     engine.update(job.get("engine", {}))
     llm = LLM(model=job["model"], **engine)

@@ -37,6 +37,7 @@ from vllm_carryover import vllm_patches
 from vllm_carryover.config_error import CarryoverConfigError
 from vllm_carryover.drafter_format import REJECTED_EMBEDDING, WEIGHTS_FILE, WEIGHTS_INDEX
 from vllm_carryover.init_drafter import init_drafter
+from vllm_carryover.run_settings import KV_CACHE_BYTES
 from vllm_carryover.server_process import VllmServer
 from vllm_carryover.speculative_config import translate
 
@@ -287,7 +288,7 @@ def engine_config(target: Path, spec: dict[str, Any]) -> Any:
         dtype="float32",
         enforce_eager=True,
         max_model_len=1024,
-        kv_cache_memory_bytes=1 << 30,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
         speculative_config=spec,
     ).create_engine_config()
 
@@ -425,7 +426,8 @@ def run_vllm_serve(target: Path, spec_arg: str, log_dir: Path) -> CliRun:
     # the package's server command (not started through VllmServer: this run is meant
     # to exit at startup, with its stdout and stderr kept apart)
     server = VllmServer(target, log_dir / "server.log", dtype="float32", max_model_len=1024,
-                        kv_cache_bytes=1 << 30, extra_args=["--speculative-config", spec_arg])
+                        kv_cache_bytes=KV_CACHE_BYTES,
+                        extra_args=["--speculative-config", spec_arg])
     port, command = server.port, server.cmd
     out_file, err_file = log_dir / "stdout.log", log_dir / "stderr.log"
     with out_file.open("wb") as out, err_file.open("wb") as err:

@@ -26,6 +26,7 @@ from vllm_carryover.config_error import CarryoverConfigError
 from vllm_carryover.engine_process import EngineProcess, child_start
 from vllm_carryover.rows import Row, check_rows
 from vllm_carryover.run_settings import (
+    KV_CACHE_BYTES,
     command_line,
     has_tokenizer,
     model_runner,
@@ -33,7 +34,6 @@ from vllm_carryover.run_settings import (
 )
 from vllm_carryover.tau import active_ratios, counter_delta, counter_totals, pooled, tau_table
 
-KV_CACHE_BYTES = 1 << 30
 WARMUP_TOKENS = 8
 ROW_STALL_S = 3 * 3600.0  # a row that says nothing for this long has hung
 

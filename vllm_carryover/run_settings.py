@@ -17,6 +17,9 @@ SHIPPED_DRAFTERS = REPO / "train" / "checkpoints" / "smollm2-135m-instruct"
 # Serving length of every measuring run: the longest held-out prompt (1-2k-token
 # passages) plus its answer fits.
 SERVE_MAX_MODEL_LEN = 4096
+# KV cache of one measuring engine (about 14k fp32 SmolLM2 tokens): room for a batch
+# of held-out prompts without taking the memory a second engine needs.
+KV_CACHE_BYTES = 1 << 30
 
 
 def resolve_target(target: str | None) -> str:

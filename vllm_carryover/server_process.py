@@ -21,6 +21,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from vllm_carryover.run_settings import KV_CACHE_BYTES
+
 PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 
 
@@ -51,7 +53,7 @@ class VllmServer:
 
     def __init__(self, model: str | Path, log_file: str | Path,
                  speculative_config: dict[str, Any] | None = None, dtype: str = "bfloat16",
-                 max_model_len: int = 2048, kv_cache_bytes: int = 1 << 30,
+                 max_model_len: int = 2048, kv_cache_bytes: int = KV_CACHE_BYTES,
                  extra_args: list[str] | None = None, start_timeout: float = 300.0,
                  env: dict[str, str] | None = None) -> None:
         self.port = free_port()
