@@ -6,18 +6,25 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_carryover.goodput_k import GoodputK, KLookup, TimedStep, expected_tokens
+from vllm_carryover.goodput_k import (
+    MAX_PROBE_EVERY,
+    GoodputK,
+    KLookup,
+    TimedStep,
+    expected_tokens,
+)
 
 K_MAX = 7
 
 
-def feed(g: GoodputK, cost: tuple[float, float, float, float], accept: float,
+def feed(g: GoodputK, cost: tuple[float, ...], accept: float,
          steps: int = 400, seed: int = 0) -> None:
     """Steps at random batch sizes, each verifying the last step's K drafts and drafting
-    a random K, timed by a known linear cost (plus 1 % noise); every request accepts
-    each draft with probability `accept`."""
+    a random K, timed by a known linear cost (plus 1 % noise): c0, c1 * batch, per
+    verified and per drafted token, and optionally a fixed cost of verifying any and of
+    drafting any; every request accepts each draft with probability `accept`."""
     rng = np.random.default_rng(seed)
-    c0, c1, c_verify, c_draft = cost
+    c0, c1, c_verify, c_draft, c_any_verify, c_any_draft = (*cost, 0.0, 0.0)[:6]
     last_k = K_MAX
     for _ in range(steps):
         batch, k = int(rng.integers(1, 33)), int(rng.integers(0, K_MAX + 1))
@@ -29,7 +36,8 @@ def feed(g: GoodputK, cost: tuple[float, float, float, float], accept: float,
                 g.observe_request(last_k, accepted)
         verified, drafted = batch * last_k, batch * k
         last_k = k
-        seconds = c0 + c1 * batch + c_verify * verified + c_draft * drafted
+        seconds = (c0 + c1 * batch + c_verify * verified + c_draft * drafted
+                   + c_any_verify * (verified > 0) + c_any_draft * (drafted > 0))
         g.observe_step(TimedStep(batch, verified, drafted, seconds * rng.normal(1, 0.01)))
 
 
@@ -52,7 +60,19 @@ def test_the_cost_fit_recovers_the_true_costs() -> None:
     g = GoodputK(K_MAX)
     cost = (0.02, 0.001, 0.0005, 0.0002)
     feed(g, cost, accept=0.5)
-    assert g.coef == pytest.approx(cost, rel=0.1, abs=2e-4)
+    assert g.coef == pytest.approx((*cost, 0.0, 0.0), rel=0.1, abs=2e-4)
+
+
+def test_the_cost_fit_recovers_what_speculating_at_all_costs() -> None:
+    """A fixed cost of verifying and of drafting, whatever K, is told apart from the
+    plain step's, and makes a marginal drafter not worth running at batch 1."""
+    g = GoodputK(K_MAX)
+    cost = (0.02, 0.001, 0.0005, 0.0002, 0.004, 0.003)
+    feed(g, cost, accept=0.15)
+    assert g.coef is not None
+    assert g.coef[[0, 1, 2, 3]] == pytest.approx(cost[:4], rel=0.1, abs=2e-4)
+    assert g.coef[4] + g.coef[5] == pytest.approx(0.007, rel=0.1)
+    assert g.best_k(1) == 0
 
 
 def test_k_max_until_the_fit_has_seen_two_ks() -> None:
@@ -85,9 +105,29 @@ def test_k_falls_as_the_batch_grows_when_verifying_costs_per_token() -> None:
     assert [r[2] for r in g.schedule(32)] == sorted({*ks}, reverse=True)
 
 
-def test_probes_cycle_through_the_other_ks() -> None:
+def test_probes_try_only_the_neighbours_of_the_chosen_k() -> None:
     g = GoodputK(K_MAX, probe_every=4)
-    chosen = [KLookup(g)[8] for _ in range(4 * 2 * (K_MAX + 1))]
-    probes = chosen[3::4]
-    assert all(k == K_MAX for i, k in enumerate(chosen) if i % 4 != 3)
-    assert set(probes) == set(range(K_MAX))  # every K but the chosen one
+    g.coef = np.zeros(6)  # a fit is there ...
+    g.best_k = lambda batch: 3  # type: ignore[method-assign]  # ... and it says K = 3
+    chosen = [KLookup(g)[8] for _ in range(200)]
+    assert set(chosen) == {2, 3, 4}
+    assert chosen.count(2) >= 1 and chosen.count(4) >= 1
+
+
+def test_at_k_max_probes_go_down_only() -> None:
+    g = GoodputK(K_MAX, probe_every=4)  # no fit yet: K = k_max
+    assert set(KLookup(g)[8] for _ in range(200)) == {K_MAX, K_MAX - 1}
+
+
+def test_probes_thin_out_while_the_choice_holds_and_return_when_it_changes() -> None:
+    g = GoodputK(K_MAX, probe_every=4)
+    g.coef = np.zeros(6)
+    best = 0
+    g.best_k = lambda batch: best  # type: ignore[method-assign]
+    first = [g.choose(8) for _ in range(1000)]
+    probe_steps = [i for i, k in enumerate(first) if k != 0]
+    gaps = np.diff(probe_steps)
+    assert gaps[0] < gaps[-1] == MAX_PROBE_EVERY
+    best = 5
+    after = [g.choose(8) for _ in range(4)]
+    assert after[-1] != 5  # probing closely again around the new choice

@@ -10,15 +10,22 @@ Both sides are measured while serving, in the scheduler's process:
   positions < j accepted), decayed so that the estimate follows the traffic;
 - the step time, wall clock between the ends of consecutive decode steps, fitted
   by least squares as t = c0 + c1 * B + c2 * drafts verified + c3 * tokens drafted
-  (a step verifies the drafts of the step before and drafts those of the next), so
-  a K never tried at this batch size still gets a cost.
+  + c4 * [any draft verified] + c5 * [any token drafted] (a step verifies the
+  drafts of the step before and drafts those of the next), so a K never tried at
+  this batch size still gets a cost. The two indicator terms are what a step pays
+  for speculating at all, whatever K (rejection sampling, spec-decode metadata,
+  the drafter's launch): without them a K = 1 step looks nearly as cheap as a plain
+  one, which it is not.
 
 `choose(B)` is the K in 0..k_max with the most tokens per second; K = 0 drafts
 nothing, which costs a plain decode step plus the drafter keeping its context
-(vLLM's DFlash runs the drafter even then). Every `probe_every` steps one step
-drafts another K, cycling through 0..k_max, so that the cost fit sees every K and
-acceptance keeps being measured while the chosen K is 0. Until the fit has enough
-steps, K stays k_max. Verification is unchanged by K, so greedy output is too.
+(vLLM's DFlash runs the drafter even then). Now and then a step probes a neighbour
+of the chosen K (one less, one more, in turn), so that the cost fit sees more than
+one K and acceptance keeps being measured while the chosen K is 0; a far K is never
+probed, since a K = 7 step can cost several plain ones at a large batch. Probes
+start every `probe_every` steps and thin out, down to one in `MAX_PROBE_EVERY`,
+while the choice holds. Until the fit has enough steps, K stays k_max. Verification
+is unchanged by K, so greedy output is too.
 
 vLLM's dynamic speculative decoding (`num_speculative_tokens_per_batch_size`)
 supplies the rest: the scheduler asks `lookup[batch size]` for each step's K, and
@@ -32,7 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PROBE_EVERY = 16  # one step in PROBE_EVERY drafts a K other than the chosen one
+PROBE_EVERY = 16  # at first one step in PROBE_EVERY drafts a neighbour of the chosen K
+MAX_PROBE_EVERY = 128  # ... and at least one in MAX_PROBE_EVERY once the choice holds
 MIN_FIT_STEPS = 32  # decode steps timed before the fit replaces k_max
 HALF_LIFE_STEPS = 512  # acceptance counts and timed steps age over this many steps
 REFIT_EVERY = 8  # steps between refits of the cost model
@@ -73,11 +81,13 @@ class GoodputK:
         self.reached = np.zeros(k_max)
         self.accepted = np.zeros(k_max)
         self.steps: deque[TimedStep] = deque(maxlen=4 * half_life)
-        self.coef: np.ndarray | None = None  # c0..c3 of the cost fit
+        self.coef: np.ndarray | None = None  # c0..c5 of the cost fit
         self.timed_steps = 0
-        self._calls = 0
         self._since_fit = 0
-        self._probe_k = 0
+        self._probe_interval = probe_every
+        self._since_probe = 0
+        self._probe_up = False  # which neighbour the next probe tries
+        self._last_best: int | None = None
 
     # -- what the scheduler reports ------------------------------------------------
     def observe_request(self, drafted: int, accepted: int) -> None:
@@ -115,19 +125,23 @@ class GoodputK:
         if len(self.steps) < self.min_fit_steps:
             return None
         s = list(self.steps)
-        x = np.array([[1.0, t.batch, t.verified, t.drafted] for t in s])
         if len({t.drafted // max(t.batch, 1) for t in s}) < 2:
             return None  # one K only: the cost of another is not measured yet
+        x = np.array([[1.0, t.batch, t.verified, t.drafted, t.verified > 0, t.drafted > 0]
+                      for t in s], dtype=float)
+        # an indicator that is 1 in every step cannot be told from c0: leave it out
+        x[:, 4:] *= ~x[:, 4:].all(axis=0)
         y = np.array([t.seconds for t in s])
         w = np.sqrt(self.decay ** np.arange(len(s))[::-1])
         coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
-        return np.maximum(coef, 0.0)  # a negative cost per token is noise
+        return np.maximum(coef, 0.0)  # a negative cost is noise
 
     def step_seconds(self, batch: int, k: int | np.ndarray) -> float | np.ndarray:
         """Fitted cost of a steady step: each step verifies as many drafts as it drafts."""
         c = self.coef
         assert c is not None
-        return c[0] + c[1] * batch + (c[2] + c[3]) * batch * k
+        k = np.asarray(k)
+        return c[0] + c[1] * batch + (c[4] + c[5]) * (k > 0) + (c[2] + c[3]) * batch * k
 
     def best_k(self, batch: int) -> int:
         """The K with the most tokens per second at this batch size (the smallest on
@@ -141,15 +155,23 @@ class GoodputK:
 
     # -- what the scheduler asks -----------------------------------------------------
     def choose(self, batch: int) -> int:
-        """K for the next step at this batch size; every `probe_every`-th call probes."""
-        self._calls += 1
+        """K for the next step at this batch size, or now and then a probe of a
+        neighbouring K (one less and one more in turn, inside 0..k_max)."""
         best = self.best_k(batch)
-        if self.probe_every and self._calls % self.probe_every == 0:
-            self._probe_k = (self._probe_k + 1) % (self.k_max + 1)
-            if self._probe_k == best:
-                self._probe_k = (self._probe_k + 1) % (self.k_max + 1)
-            return self._probe_k
-        return best
+        if best != self._last_best:  # a new choice: look around it closely again
+            self._last_best, self._probe_interval = best, self.probe_every
+            self._since_probe = 0
+        if not self.probe_every:
+            return best
+        self._since_probe += 1
+        if self._since_probe < self._probe_interval:
+            return best
+        self._since_probe = 0
+        self._probe_interval = min(2 * self._probe_interval,
+                                   max(MAX_PROBE_EVERY, self.probe_every))
+        self._probe_up = not self._probe_up
+        up = self._probe_up if 0 < best < self.k_max else best == 0
+        return best + 1 if up else best - 1
 
     def schedule(self, max_batch: int) -> list[tuple[int, int, int]]:
         """The current choice as vLLM's `[(first, last, K), ...]` ranges (for logs)."""
