@@ -72,3 +72,28 @@ def test_attention_over_context_and_slot_equals_one_softmax_over_concatenated_ke
     torch.testing.assert_close(together, shuffled, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(together[0, 1:], m.draft_logits(ctx, ctx_pos, 5, 7, 4, slot,
                                                                slot_pos), atol=1e-5, rtol=1e-5)
+
+
+def test_a_shared_context_gives_the_logits_and_gradients_of_one_copy_per_row():
+    """Training passes one context for all anchors of a sequence (never expanded per
+    row): the same numbers as each row holding its own copy, masked alike."""
+    m = drafter().train()
+    s, anchors = 12, torch.tensor([2, 5, 9, 11])
+    aux, ids = torch.randn(s, 128), torch.randint(100, (4, 5))
+    pos = anchors[:, None] + torch.arange(5)
+    mask = torch.arange(s)[None, :] < anchors[:, None]
+
+    def logits_and_grads(copies: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        m.zero_grad()
+        k, v = m.context_kv(m.fuse(aux), torch.arange(s))
+        out = m(ids, pos, k[:, None].expand(-1, copies, -1, -1, -1),
+                v[:, None].expand(-1, copies, -1, -1, -1), mask)
+        out.square().mean().backward()
+        return out.detach(), [p.grad.clone() for p in m.parameters() if p.grad is not None]
+
+    shared, grads_shared = logits_and_grads(1)
+    per_row, grads_per_row = logits_and_grads(4)
+    torch.testing.assert_close(shared, per_row, rtol=1e-5, atol=1e-5)
+    assert len(grads_shared) == len(grads_per_row) > 0
+    for a, b in zip(grads_shared, grads_per_row, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -177,6 +177,33 @@ def test_draft_vocabulary_export_keeps_its_map_through_more_training(
     assert torch.equal(saved["state"][D2T], state[D2T])
 
 
+def test_a_new_baseline_with_a_draft_vocabulary_trains_within_it(
+        exported: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`train baseline --draft-vocab 8`: the new drafter's head is the 8 tokens the
+    target wrote most (the map `export --draft-vocab 8` makes from the same data), it
+    keeps that map through training, and the export serves it unchanged."""
+    from vllm_carryover.drafter_format import D2T, LM_HEAD
+
+    monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(exported["cache"]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_baseline(BaselineArgs(target=str(exported["target"]), run="tiny-dv-baseline",
+                                    block_size=K + 1, intermediate_size=64, lr=1e-2,
+                                    steps=3, draft_vocab=8, **RUN))
+    finally:
+        torch.set_num_threads(threads)
+    saved = torch.load(run_dir("tiny-dv-baseline") / "final.pt")
+    assert saved["config"]["draft_vocab_size"] == 8
+    assert saved["state"][LM_HEAD].shape == (8, saved["config"]["hidden_size"])
+    cut = export_run(exported["target"], "tiny-carryover", tmp_path / "cut",
+                     exported["cache"], "--draft-vocab", "8")
+    assert torch.equal(saved["state"][D2T], load_drafter_state(cut)[1][D2T])
+    folder = export_run(exported["target"], "tiny-dv-baseline", tmp_path / "dv-baseline",
+                        exported["cache"])
+    assert torch.equal(load_drafter_state(folder)[1][D2T], saved["state"][D2T])
+
+
 def test_draft_vocab_command_converts_a_drafter_folder(exported: dict[str, Path],
                                                        tmp_path: Path) -> None:
     """`python -m train draft-vocab` on the baseline export (a plain DFlash folder): the

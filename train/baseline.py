@@ -30,7 +30,11 @@ from vllm_carryover.train.options import BaselineArgs, TrainArgs
 from vllm_carryover.train.paths import data_dir, run_dir
 from vllm_carryover.train.target_states import dataset_states, stored_states, truncated_decoder
 from vllm_carryover.train.trainer import Feed, SeqResult, Sequence, Trainer, meta_args
-from vllm_carryover.train.vocab_subset import remap_labels, restricted_head
+from vllm_carryover.train.vocab_subset import (
+    remap_labels,
+    restricted_head,
+    with_dataset_vocab,
+)
 
 from vllm_carryover.drafter_format import (
     REJECTED_EMBEDDING,
@@ -88,10 +92,8 @@ def block_logits(model: TorchDrafter, seq: Sequence, anchors: torch.Tensor
     fused = model.fuse(seq.aux.float())
     k, v = model.context_kv(fused, torch.arange(t, device=fused.device))  # [L, T, kv, hd]
     blocks = make_blocks(seq.tokens, anchors, d.block_size, d.mask_token_id)
-    a = anchors.shape[0]
-    ctx_k = k[:, None].expand(-1, a, -1, -1, -1)
-    ctx_v = v[:, None].expand(-1, a, -1, -1, -1)
-    logits = model(blocks.query_ids, blocks.query_pos, ctx_k, ctx_v, blocks.ctx_mask)
+    # one context for all anchors, each masked to the positions before it
+    logits = model(blocks.query_ids, blocks.query_pos, k[:, None], v[:, None], blocks.ctx_mask)
     return model.teacher_forced(logits[:, 1:], blocks.prev_ids), blocks.labels
 
 
@@ -165,6 +167,8 @@ def train_baseline(a: BaselineArgs) -> Path:
     else:
         cfg = new_drafter_config(a.target, a)
         state = random_drafter_state(DrafterConfig.from_dict(cfg), a.seed)
+        if a.draft_vocab:
+            cfg, state = with_dataset_vocab(cfg, state, a.target, a.data, a.draft_vocab)
     cfg, state = attach_markov_head(cfg, state, a.markov_rank, a.seed)
     dcfg = DrafterConfig.from_dict(cfg)
     model = TorchDrafter(dcfg, target_embedding(a.target))

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import datetime
 from pathlib import Path
-from typing import Any
 
 import torch
+from vllm_carryover.train.vocab_subset import with_dataset_vocab
 
 from vllm_carryover.checkpoint import has_rejected_embedding, load_drafter_state, save_drafter
-from vllm_carryover.draft_vocab import build as build_draft_vocab
 from vllm_carryover.drafter_format import REJECTED_EMBEDDING
 from vllm_carryover.drafter_validation import validate_for_target_folder
 
@@ -30,18 +29,6 @@ def export(run_file: Path, out: Path, target: str, draft_vocab: int = 0) -> Path
     path = save_drafter(out, cfg, state, dtype=torch.bfloat16)
     validate_for_target_folder(path, target, cfg["block_size"] - 1)
     return path
-
-
-def with_dataset_vocab(cfg: dict[str, Any], state: dict[str, torch.Tensor], target: str,
-                       data: str, size: int
-                       ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """A drafter cut to the `size` tokens the target wrote most in dataset `data`'s
-    train responses (`vllm_carryover.draft_vocab`)."""
-    from vllm_carryover.train.data import response_token_counts
-    from vllm_carryover.train.paths import data_dir
-
-    counts = response_token_counts(data_dir(data), cfg["vocab_size"])
-    return build_draft_vocab(cfg, state, target, counts, size)
 
 
 def convert_to_draft_vocab(drafter: str, out: Path, target: str, data: str, size: int

@@ -61,6 +61,7 @@ class BaselineArgs(TrainArgs):
     intermediate_size: int = 1024
     target_layers: list[int] | None = None
     init_run: str = ""
+    draft_vocab: int = 0
 
 
 @dataclass

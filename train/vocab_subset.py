@@ -1,19 +1,24 @@
-"""Sampled-softmax LM head: train over a vocabulary subset to save CPU time.
+"""Which tokens the drafter's softmax covers in training, to save CPU time.
 
 The LM head (the target's tied embedding, frozen) dominates the drafter's cost.
 Training restricts the softmax to the tokens of the training data plus a fresh
 random sample of the other tokens each step (negatives), and remaps the labels;
-evaluation always uses the full vocabulary.
+evaluation always uses the full vocabulary. A drafter with a draft vocabulary
+(`with_dataset_vocab`, from the data's responses) is trained over those tokens only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
+from vllm_carryover.train.data import response_token_counts
 from vllm_carryover.train.dflash_loss import IGNORE
+from vllm_carryover.train.paths import data_dir
 
+from vllm_carryover.draft_vocab import build as build_draft_vocab
 from vllm_carryover.torch_drafter import TorchDrafter
 
 
@@ -50,3 +55,12 @@ def restricted_head(model: TorchDrafter, ids: torch.Tensor | None) -> Iterator[N
         yield
     finally:
         model.lm_head, model.vocab_ids = full, None
+
+
+def with_dataset_vocab(cfg: dict[str, Any], state: dict[str, torch.Tensor], target: str,
+                       data: str, size: int
+                       ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A drafter cut to the `size` tokens the target wrote most in dataset `data`'s
+    train responses (`vllm_carryover.draft_vocab`)."""
+    counts = response_token_counts(data_dir(data), cfg["vocab_size"])
+    return build_draft_vocab(cfg, state, target, counts, size)

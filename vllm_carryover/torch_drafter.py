@@ -139,7 +139,9 @@ class TorchDrafter(nn.Module):
 
         Each query attends to every unmasked context key of its own row and to
         every key of its own block (non-causal). `ctx_mask` [B, S] (or [B, Q, S])
-        is True where a key is visible.
+        is True where a key is visible. Context K/V of batch size 1 is shared by
+        all B rows (training: every anchor of a sequence reads the same context,
+        up to its own mask), and is then never copied per row.
         """
         d = self.config
         b, q = query_ids.shape
@@ -151,7 +153,6 @@ class TorchDrafter(nn.Module):
             visible[:, :, :s] = cm
         bias = torch.zeros(visible.shape, dtype=x.dtype, device=x.device)
         bias = bias.masked_fill(~visible, float("-inf"))[:, None]  # [B, 1, Q, S+Q]
-        group = d.num_attention_heads // d.num_key_value_heads
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             h = rms_norm(x, layer.input_layernorm.weight, d.rms_norm_eps)
@@ -160,12 +161,10 @@ class TorchDrafter(nn.Module):
             vh = a.v_proj(h).view(b, q, d.num_key_value_heads, d.head_dim)
             qh = self._rope(rms_norm(qh, a.q_norm.weight, d.rms_norm_eps), query_pos)
             kh = self._rope(rms_norm(kh, a.k_norm.weight, d.rms_norm_eps), query_pos)
-            keys = torch.cat([ctx_k[i], kh], dim=1).transpose(1, 2)  # [B, kv, S+Q, hd]
-            vals = torch.cat([ctx_v[i], vh], dim=1).transpose(1, 2)
-            keys = keys.repeat_interleave(group, dim=1)
-            vals = vals.repeat_interleave(group, dim=1)
-            scores = qh.transpose(1, 2) @ keys.transpose(-1, -2) / math.sqrt(d.head_dim)
-            attn = torch.softmax(scores + bias, dim=-1) @ vals  # [B, heads, Q, hd]
+            if ctx_k.shape[1] == 1 and b > 1:
+                attn = self._attend_shared(qh, kh, vh, ctx_k[i, 0], ctx_v[i, 0], bias)
+            else:
+                attn = self._attend(qh, kh, vh, ctx_k[i], ctx_v[i], bias)
             x = x + a.o_proj(attn.transpose(1, 2).reshape(b, q, -1))
             h = rms_norm(x, layer.post_attention_layernorm.weight, d.rms_norm_eps)
             x = x + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(h)) * layer.mlp.up_proj(h))
@@ -173,6 +172,41 @@ class TorchDrafter(nn.Module):
         if self.draft_ids is not None and self.draft_head is not None and self.vocab_ids is None:
             return expand_logits(x @ self.draft_head.T, self.draft_ids, d.vocab_size)
         return x @ self.lm_head.T.float()
+
+    def _attend(self, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+                ctx_k: torch.Tensor, ctx_v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Attention [B, heads, Q, hd] of queries qh [B, Q, heads, hd] over each row's
+        own context K/V [B, S, kv, hd] and its block's keys kh, vh [B, Q, kv, hd]."""
+        group = self.config.num_attention_heads // self.config.num_key_value_heads
+        keys = torch.cat([ctx_k, kh], dim=1).transpose(1, 2)  # [B, kv, S+Q, hd]
+        vals = torch.cat([ctx_v, vh], dim=1).transpose(1, 2)
+        keys = keys.repeat_interleave(group, dim=1)
+        vals = vals.repeat_interleave(group, dim=1)
+        scores = qh.transpose(1, 2) @ keys.transpose(-1, -2) / math.sqrt(qh.shape[-1])
+        return torch.softmax(scores + bias, dim=-1) @ vals
+
+    def _attend_shared(self, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+                       ctx_k: torch.Tensor, ctx_v: torch.Tensor, bias: torch.Tensor
+                       ) -> torch.Tensor:
+        """`_attend` with one context K/V [S, kv, hd] shared by all rows: every row's
+        queries meet the context keys in one matmul per KV head, the block keys in a
+        small one per row, and the context is never expanded (in training, with ~32
+        anchors per sequence, the copies and their gradients' sums cost more than the
+        attention itself)."""
+        b, q, heads, hd = qh.shape
+        kv = ctx_k.shape[1]
+        g, s = heads // kv, ctx_k.shape[0]
+        q5 = qh.view(b, q, kv, g, hd) / math.sqrt(hd)  # head h reads KV head h // g
+        q_ctx = q5.permute(2, 0, 3, 1, 4).reshape(kv, b * g * q, hd)
+        s_ctx = (q_ctx @ ctx_k.permute(1, 2, 0)).view(kv, b, g, q, s).transpose(0, 1)
+        q_blk = q5.permute(0, 2, 3, 1, 4).reshape(b, kv, g * q, hd)
+        s_blk = (q_blk @ kh.permute(0, 2, 3, 1)).view(b, kv, g, q, q)
+        scores = torch.cat([s_ctx, s_blk], dim=-1) + bias[:, :, None]  # [B, kv, g, Q, S+Q]
+        p = torch.softmax(scores, dim=-1)
+        p_ctx = p[..., :s].transpose(0, 1).reshape(kv, b * g * q, s)
+        out = (p_ctx @ ctx_v.transpose(0, 1)).view(kv, b, g, q, hd).transpose(0, 1)
+        out = out + p[..., s:] @ vh.transpose(1, 2)[:, :, None]  # [B, kv, g, Q, hd]
+        return out.reshape(b, heads, q, hd)
 
     def teacher_forced(self, logits: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
         """Backbone logits [..., V] plus the Markov bias of the true previous tokens
