@@ -204,6 +204,25 @@ def test_a_new_baseline_with_a_draft_vocabulary_trains_within_it(
     assert torch.equal(load_drafter_state(folder)[1][D2T], saved["state"][D2T])
 
 
+def test_a_baseline_continues_from_an_exported_folder(
+        exported: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`train baseline --init-run FOLDER`: a committed export is where a run continues on
+    a fresh machine; its weights are the start, its steps add up."""
+    monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(exported["cache"]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_baseline(BaselineArgs(target=str(exported["target"]), run="tiny-continued",
+                                    init_run=str(exported["baseline"]), lr=1e-2, steps=2,
+                                    **RUN))
+    finally:
+        torch.set_num_threads(threads)
+    meta = torch.load(run_dir("tiny-continued") / "final.pt")["meta"]
+    assert meta["steps"] == BASELINE_STEPS + 2
+    assert meta["continued_from"] == [str(exported["baseline"])]
+    assert meta["recipe"] == "dflash-baseline"
+
+
 def test_draft_vocab_command_converts_a_drafter_folder(exported: dict[str, Path],
                                                        tmp_path: Path) -> None:
     """`python -m train draft-vocab` on the baseline export (a plain DFlash folder): the

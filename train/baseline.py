@@ -27,9 +27,16 @@ from vllm_carryover.train.dflash_loss import (
 )
 from vllm_carryover.train.distributed import rank0_first
 from vllm_carryover.train.options import BaselineArgs, TrainArgs
-from vllm_carryover.train.paths import data_dir, run_dir
+from vllm_carryover.train.paths import data_dir
 from vllm_carryover.train.target_states import dataset_states, stored_states, truncated_decoder
-from vllm_carryover.train.trainer import Feed, SeqResult, Sequence, Trainer, meta_args
+from vllm_carryover.train.trainer import (
+    Feed,
+    SeqResult,
+    Sequence,
+    Trainer,
+    load_init,
+    meta_args,
+)
 from vllm_carryover.train.vocab_subset import (
     remap_labels,
     restricted_head,
@@ -73,6 +80,20 @@ def sequence_feed(place: Placement, layer_ids: list[int], decoder: Any = None) -
         return replace(seq, tokens=seq.tokens.to(place.device), aux=aux.to(place.device))
 
     return feed
+
+
+def kept(feed: Feed) -> Feed:
+    """`feed` that keeps what it made, for the held-out sequences: every evaluation visits
+    the same ones, so their online states are computed once, not once per evaluation
+    (a few hundred sequences: a few hundred MB of bf16 states)."""
+    made: dict[int, Sequence] = {}
+
+    def fed(seq: Sequence) -> Sequence:
+        if id(seq) not in made:
+            made[id(seq)] = feed(seq)
+        return made[id(seq)]
+
+    return fed
 
 
 def target_decoder(a: TrainArgs, place: Placement, layer_ids: list[int]) -> Any:
@@ -161,9 +182,13 @@ def train_baseline(a: BaselineArgs) -> Path:
     torch.manual_seed(a.seed)
     place = placement(a.device, a.dtype)
     prior: dict[str, Any] = {}
-    if a.init_run:  # continue from an earlier run (its config wins)
-        saved = torch.load(run_dir(a.init_run) / "final.pt")
-        cfg, prior, state = saved["config"], saved["meta"], saved["state"]
+    if a.init_run:  # continue from an earlier run or exported drafter (its config wins)
+        cfg, state, prior = load_init(a.init_run)
+        if a.draft_vocab and cfg.get("draft_vocab_size") != a.draft_vocab:
+            raise SystemExit(f"--draft-vocab {a.draft_vocab} gives a new drafter its head; "
+                             f"the --init-run drafter has draft_vocab_size "
+                             f"{cfg.get('draft_vocab_size')}: convert it first (`python -m "
+                             "train draft-vocab`) or drop --draft-vocab")
     else:
         cfg = new_drafter_config(a.target, a)
         state = random_drafter_state(DrafterConfig.from_dict(cfg), a.seed)
@@ -185,6 +210,7 @@ def train_baseline(a: BaselineArgs) -> Path:
         seqs = load_sequences(a.target, a.data, layer_ids, cached=not online)
     decoder = target_decoder(a, place, layer_ids) if online else None
     feed = sequence_feed(place, layer_ids, decoder)
+    heldout_feed = kept(feed) if online else feed
     train, heldout = seqs["train"], seqs["heldout"]
     weights = slot_weights(dcfg.block_size - 1, a.gamma)
     loop = Trainer(a, "baseline", model, params, opt, cfg, train, {"trained_label_tokens": 0},
@@ -200,7 +226,7 @@ def train_baseline(a: BaselineArgs) -> Path:
 
     def heldout_eval() -> dict[str, Any]:
         with place.autocast():
-            st = evaluate(model, heldout, a.eval_anchors_per_seq, feed)
+            st = evaluate(model, heldout, a.eval_anchors_per_seq, heldout_feed)
         return {"acc": st.accuracy(), "tau": st.tau()}
 
     complete = loop.run(seq_loss, heldout_eval)

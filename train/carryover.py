@@ -19,6 +19,7 @@ from tqdm import tqdm
 from vllm_carryover.train.baseline import (
     Sequence,
     attach_markov_head,
+    kept,
     load_sequences,
     param_groups,
     sequence_feed,
@@ -39,11 +40,10 @@ from vllm_carryover.train.draft_verify_draft import (
     second_draft_logits,
 )
 from vllm_carryover.train.options import CarryoverArgs
-from vllm_carryover.train.paths import CHECKPOINTS, run_dir
-from vllm_carryover.train.trainer import Feed, SeqResult, Trainer, meta_args
+from vllm_carryover.train.paths import CHECKPOINTS
+from vllm_carryover.train.trainer import Feed, SeqResult, Trainer, load_init, meta_args
 from vllm_carryover.train.vocab_subset import remap_labels
 
-from vllm_carryover.checkpoint import load_drafter_state
 from vllm_carryover.drafter_format import DrafterConfig
 from vllm_carryover.target_weights import target_embedding
 from vllm_carryover.torch_drafter import TorchDrafter
@@ -76,16 +76,6 @@ def evaluate(model: TorchDrafter, decoder: Any, seqs: list[Sequence], anchors_pe
     return stats
 
 
-def load_init(init: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
-    """(config, float32 state, its training metadata) of a drafter folder or a run name."""
-    path = Path(init)
-    if (path / "config.json").is_file():
-        cfg, state = load_drafter_state(path)
-        return cfg, {k: v.float() for k, v in state.items()}, cfg.get("carryover_config", {})
-    saved = torch.load(run_dir(init) / "final.pt")
-    return saved["config"], saved["state"], saved["meta"]
-
-
 def train_carryover(a: CarryoverArgs) -> Path:
     """Fine-tune a drafter with draft-verify-draft; save `final.pt` in the run folder.
 
@@ -113,6 +103,7 @@ def train_carryover(a: CarryoverArgs) -> Path:
     with rank0_first():  # rank 0 fills the target-state cache, the others read it
         seqs = load_sequences(a.target, a.data, layer_ids, cached=not online)
     feed = sequence_feed(place, layer_ids, decoder if online else None)
+    heldout_feed = kept(feed) if online else feed
     train, heldout = seqs["train"], seqs["heldout"]
     weights = slot_weights(dcfg.block_size - 1, a.gamma)
     counts = {"first_label_tokens": 0, "second_label_tokens": 0, "anchors": 0,
@@ -121,7 +112,8 @@ def train_carryover(a: CarryoverArgs) -> Path:
 
     def heldout_eval() -> dict[str, Any]:
         with place.autocast():
-            return _summary(evaluate(model, decoder, heldout, a.eval_anchors_per_seq, feed))
+            return _summary(evaluate(model, decoder, heldout, a.eval_anchors_per_seq,
+                                     heldout_feed))
 
     if loop.main and "heldout_initial" not in loop.done.notes:  # the init drafter's
         loop.done.notes["heldout_initial"] = heldout_eval()

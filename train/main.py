@@ -85,8 +85,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
                    help="target layers whose states feed the drafter (default: three spread "
                    "over the depth)")
     b.add_argument("--init-run", default=BaselineArgs.init_run,
-                   help="start from this run's final.pt (its drafter config wins) with a "
-                   "fresh LR schedule; steps and tokens add up in the metadata")
+                   help="start from this run's final.pt, or from this drafter folder (an "
+                   "export: a committed checkpoint continues on a fresh machine), with a "
+                   "fresh LR schedule; its drafter config wins; steps and tokens add up in "
+                   "the metadata")
     b.add_argument("--draft-vocab", type=int, default=BaselineArgs.draft_vocab, metavar="N",
                    help="give a new drafter a draft vocabulary from the start: its LM head "
                    "over the N tokens the target writes most often in --data's train "
