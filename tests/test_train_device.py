@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_train_loop import recipe_argv, write_tiny_dataset
+from test_train_loop import DATA, recipe_argv, write_tiny_dataset
 from tiny_models import make_tiny_drafter, make_tiny_target
 from vllm_carryover.train import baseline, target_states
 from vllm_carryover.train.baseline import Sequence, sequence_feed
@@ -112,3 +112,21 @@ def test_short_run_on_the_default_device_trains(tiny_setup: dict[str, Path],
     final = torch.load(run_dir(run) / "final.pt")
     assert final["meta"]["steps"] == 2
     assert all(v.device.type == "cpu" and v.isfinite().all() for v in final["state"].values())
+
+
+def test_auto_target_states_cache_what_fits_and_compute_the_rest_online(
+        tiny_setup: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`--target-states auto`: a dataset whose bf16 states take a sliver of memory is
+    cached; one whose states would take over a quarter of it (a 3M-token dataset on a
+    24 GB machine) runs the target online; an explicit choice stands."""
+    from vllm_carryover.train.paths import data_dir
+
+    monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(tiny_setup["cache"]))
+    folder, feature = data_dir(DATA), 3 * 64
+    assert target_states.states_gib(folder, feature) < 0.01
+    assert target_states.resolve_mode("auto", folder, feature) == "cached"
+    assert "target states: cached" in capsys.readouterr().out
+    monkeypatch.setattr(target_states, "states_gib", lambda data, size: 1e6)
+    assert target_states.resolve_mode("auto", folder, feature) == "online"
+    assert target_states.resolve_mode("cached", folder, feature) == "cached"

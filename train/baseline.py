@@ -28,7 +28,12 @@ from vllm_carryover.train.dflash_loss import (
 from vllm_carryover.train.distributed import rank0_first
 from vllm_carryover.train.options import BaselineArgs, TrainArgs
 from vllm_carryover.train.paths import data_dir
-from vllm_carryover.train.target_states import dataset_states, stored_states, truncated_decoder
+from vllm_carryover.train.target_states import (
+    dataset_states,
+    resolve_mode,
+    stored_states,
+    truncated_decoder,
+)
 from vllm_carryover.train.trainer import (
     Feed,
     SeqResult,
@@ -205,7 +210,8 @@ def train_baseline(a: BaselineArgs) -> Path:
     opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01)
 
     layer_ids = list(dcfg.target_layer_ids)
-    online = a.target_states == "online"
+    online = resolve_mode(a.target_states, data_dir(a.data),
+                          len(layer_ids) * dcfg.target_hidden_size) == "online"
     with rank0_first():  # rank 0 fills the target-state cache, the others read it
         seqs = load_sequences(a.target, a.data, layer_ids, cached=not online)
     decoder = target_decoder(a, place, layer_ids) if online else None

@@ -40,7 +40,8 @@ from vllm_carryover.train.draft_verify_draft import (
     second_draft_logits,
 )
 from vllm_carryover.train.options import CarryoverArgs
-from vllm_carryover.train.paths import CHECKPOINTS
+from vllm_carryover.train.paths import CHECKPOINTS, data_dir
+from vllm_carryover.train.target_states import resolve_mode
 from vllm_carryover.train.trainer import Feed, SeqResult, Trainer, load_init, meta_args
 from vllm_carryover.train.vocab_subset import remap_labels
 
@@ -99,7 +100,8 @@ def train_carryover(a: CarryoverArgs) -> Path:
     layer_ids = list(dcfg.target_layer_ids)
     decoder = target_decoder(a, place, layer_ids)  # verify passes, online states too
 
-    online = a.target_states == "online"
+    online = resolve_mode(a.target_states, data_dir(a.data),
+                          len(layer_ids) * dcfg.target_hidden_size) == "online"
     with rank0_first():  # rank 0 fills the target-state cache, the others read it
         seqs = load_sequences(a.target, a.data, layer_ids, cached=not online)
     feed = sequence_feed(place, layer_ids, decoder if online else None)

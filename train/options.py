@@ -19,7 +19,7 @@ RUN_CONTROL = frozenset({"resume", "stop_after", "save_every", "eval_every",
                          "eval_anchors_per_seq", "threads", "device", "target_states",
                          "extra"})
 DTYPES = ("auto", "float32", "bfloat16")
-TARGET_STATES = ("cached", "online")
+TARGET_STATES = ("auto", "cached", "online")
 
 
 @dataclass
@@ -46,7 +46,7 @@ class TrainArgs:
     threads: int = 2
     device: str = "auto"
     dtype: str = "auto"
-    target_states: str = "cached"
+    target_states: str = "auto"
     save_every: int = 50
     stop_after: int = 0
     resume: bool = False
@@ -144,11 +144,14 @@ def add_train_options(p: argparse.ArgumentParser, d: TrainArgs) -> None:
                    "(default: %(default)s)")
     p.add_argument("--target-states", choices=TARGET_STATES, default=d.target_states,
                    help="the target's hidden states the drafter reads: cached (computed once "
-                   "per dataset on first use and kept in the cache folder, since training "
-                   "visits every sequence many times) or online (the target runs in the "
-                   "training loop on every sequence it visits, evaluations included: one "
-                   "target forward per visit, no cache, for targets whose states do not fit "
-                   "on disk) (default: %(default)s)")
+                   "per dataset on first use and kept in one file in the cache folder, "
+                   "read whole into memory: worth it when training visits every sequence "
+                   "many times) or online (the target runs in the training loop on every "
+                   "training sequence it visits; the held-out ones once per run: no cache, "
+                   "for datasets whose states do not fit in memory, and for short runs on a "
+                   "fresh machine, where a cache of millions of tokens would take longer to "
+                   "fill than the run); auto: cached while the states take under a quarter "
+                   "of the machine's memory, else online (default: %(default)s)")
     p.add_argument("--save-every", type=int, default=d.save_every,
                    help="write last.pt (what --resume continues from) every this many steps; "
                    "it is also written at the end; 0: only at the end (default: %(default)s)")

@@ -16,6 +16,7 @@ bits (after bf16 rounding, now and then one bf16 step).
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,30 @@ def states_file(data: Path, manifest_sha256: str, layer_ids: list[int]) -> Path:
 
     tag = hashlib.sha256(f"{manifest_sha256}:{list(layer_ids)}".encode()).hexdigest()[:12]
     return cache_root() / "states" / f"{data.name}-{tag}.pt"
+
+
+def states_gib(data: Path, feature_size: int) -> float:
+    """What a dataset's aux states take in bf16 (every prompt and response token)."""
+    from vllm_carryover.train.data import load_manifest
+
+    tokens = sum(split["prompt_tokens"] + split["response_tokens"]
+                 for cat in load_manifest(data)["per_category"].values()
+                 for split in cat.values())
+    return tokens * feature_size * 2 / (1 << 30)
+
+
+def resolve_mode(mode: str, data: Path, feature_size: int) -> str:
+    """`--target-states auto`: cached while the dataset's states take under a quarter of
+    this machine's memory (the cache is one file, read whole), else online. Says which,
+    and why."""
+    if mode != "auto":
+        return mode
+    need = states_gib(data, feature_size)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    mode = "cached" if need < memory / 4 else "online"
+    print(f"target states: {mode} (the dataset's take {need:.1f} GiB in bf16; this machine "
+          f"has {memory:.1f} GiB of memory)", flush=True)
+    return mode
 
 
 def dataset_states(target: str, data: Path, layer_ids: list[int], **ray: Any
