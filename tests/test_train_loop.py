@@ -74,9 +74,10 @@ def recipe_argv(recipe: str, setup: dict[str, Path], run: str, *extra: str) -> l
 
 
 def log_steps(run: str) -> list[dict[str, Any]]:
-    """The per-step lines of a run's log.jsonl, without their wall-clock seconds."""
+    """The per-step lines of a run's log.jsonl, without their wall-clock times (`seconds`,
+    `feed_seconds`)."""
     lines = [json.loads(x) for x in (run_dir(run) / "log.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in x.items() if k != "seconds"} for x in lines]
+    return [{k: v for k, v in x.items() if not k.endswith("seconds")} for x in lines]
 
 
 @pytest.mark.parametrize("recipe", ["baseline", "carryover"])

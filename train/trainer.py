@@ -167,7 +167,8 @@ class Trainer:
                                                   / (a.minutes * 60))) - bar.n)
                 else:
                     bar.update(1)
-                bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items()} | {"lr": f"{lr:.1e}"})
+                bar.set_postfix({k: f"{v:.0f}" if abs(v) >= 100 else f"{v:.3f}"
+                                 for k, v in metrics.items()} | {"lr": f"{lr:.1e}"})
                 if a.eval_every and done.step % a.eval_every == 0:
                     done.evals.append({"step": done.step, **evaluate()})
                     tqdm.write(f"step {done.step}: " + json.dumps(done.evals[-1]))
@@ -193,11 +194,15 @@ class Trainer:
             self.universe).to(self.place.device)
         metrics: dict[str, float] = {}
         counts = dict.fromkeys(self.done.counts, 0)
+        feed_s = feed_tokens = 0.0  # what getting the target states cost (online: a lot)
         for i in picks:
             seq = self.train[i]
             anchors = sample_anchors(seq.response_start, seq.tokens.shape[0] - 1,
                                      a.anchors_per_seq, self.gen).to(self.place.device)
+            start = time.perf_counter()
             seq = self.feed(seq)
+            feed_s += time.perf_counter() - start
+            feed_tokens += seq.tokens.numel()
             with self.place.autocast():
                 r = seq_loss(seq, anchors, ids)
             (r.loss / len(picks)).backward()
@@ -205,6 +210,7 @@ class Trainer:
                 metrics[k] = metrics.get(k, 0.0) + v / len(picks)
             for k, v in r.counts.items():
                 counts[k] += v
+        metrics |= {"feed_seconds": feed_s, "feed_tokens": feed_tokens}
         average_gradients(self.params)
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.opt.step()
