@@ -82,9 +82,9 @@ def block_logits_over(model: TorchDrafter, ctx_k: torch.Tensor, ctx_v: torch.Ten
     [A, K, V], without any Markov bias; the blocks, with their labels [A, K])."""
     d = model.config
     blocks = make_blocks(tokens, anchors, d.block_size, d.mask_token_id, ctx_k.shape[1])
-    a = anchors.shape[0]
-    logits = model(blocks.query_ids, blocks.query_pos, ctx_k[:, None].expand(-1, a, -1, -1, -1),
-                   ctx_v[:, None].expand(-1, a, -1, -1, -1), blocks.ctx_mask)
+    # one context for all anchors, each masked to the positions before it
+    logits = model(blocks.query_ids, blocks.query_pos, ctx_k[:, None], ctx_v[:, None],
+                   blocks.ctx_mask)
     return logits[:, 1:], blocks
 
 
