@@ -97,3 +97,20 @@ def test_a_shared_context_gives_the_logits_and_gradients_of_one_copy_per_row():
     assert len(grads_shared) == len(grads_per_row) > 0
     for a, b in zip(grads_shared, grads_per_row, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_rows_own_keys_after_a_shared_context_are_keys_after_a_copied_one():
+    """Carryover training's second draft: the shared context, then each row's own slot
+    keys (some masked), gives what one context + slot copy per row gives."""
+    m = drafter()
+    s, anchors = 12, torch.tensor([2, 5, 9])
+    ids, pos = torch.randint(100, (3, 5)), anchors[:, None] + 1 + torch.arange(5)
+    k, v = m.context_kv(m.fuse(torch.randn(s, 128)), torch.arange(s))
+    slot_k, slot_v = torch.randn(2, 3, 4, 2, 16), torch.randn(2, 3, 4, 2, 16)
+    mask = torch.cat([torch.arange(s)[None, :] <= anchors[:, None],
+                      torch.rand(3, 4) < 0.5], dim=1)
+    with torch.no_grad():
+        shared = m(ids, pos, k[:, None], v[:, None], mask, row_k=slot_k, row_v=slot_v)
+        copied = m(ids, pos, torch.cat([k[:, None].expand(-1, 3, -1, -1, -1), slot_k], dim=2),
+                   torch.cat([v[:, None].expand(-1, 3, -1, -1, -1), slot_v], dim=2), mask)
+    torch.testing.assert_close(shared, copied, rtol=1e-5, atol=1e-5)

@@ -177,11 +177,11 @@ def second_draft_logits(model: TorchDrafter, ctx_k: torch.Tensor, ctx_v: torch.T
                                       torch.ones(a * num_drafts, dtype=torch.bool, device=dev))
     slot_k = slot_k.view(slot_k.shape[0], a, num_drafts, *slot_k.shape[2:])
     slot_v = slot_v.view(slot_v.shape[0], a, num_drafts, *slot_v.shape[2:])
-    keys = torch.cat([ctx_k[:, None].expand(-1, a, -1, -1, -1), slot_k], dim=2)
-    values = torch.cat([ctx_v[:, None].expand(-1, a, -1, -1, -1), slot_v], dim=2)
     slot_mask = carried_drafts(accepted, num_drafts)
     mask = torch.cat([blocks.ctx_mask, slot_mask & use_slot], dim=1)
-    logits = model(blocks.query_ids, blocks.query_pos, keys, values, mask)
+    # the shared context, then each block's own slot
+    logits = model(blocks.query_ids, blocks.query_pos, ctx_k[:, None], ctx_v[:, None], mask,
+                   row_k=slot_k, row_v=slot_v)
     return model.teacher_forced(logits[:, 1:], blocks.prev_ids), blocks.labels
 
 

@@ -134,18 +134,21 @@ class TorchDrafter(nn.Module):
 
     def forward(self, query_ids: torch.Tensor, query_pos: torch.Tensor,
                 ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-                ctx_mask: torch.Tensor | None = None) -> torch.Tensor:
+                ctx_mask: torch.Tensor | None = None, row_k: torch.Tensor | None = None,
+                row_v: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, Q, V] of query blocks [B, Q] over context K/V [L, B, S, kv, hd].
 
         Each query attends to every unmasked context key of its own row and to
         every key of its own block (non-causal). `ctx_mask` [B, S] (or [B, Q, S])
         is True where a key is visible. Context K/V of batch size 1 is shared by
         all B rows (training: every anchor of a sequence reads the same context,
-        up to its own mask), and is then never copied per row.
+        up to its own mask), and is then never copied per row. `row_k`, `row_v`
+        [L, B, R, kv, hd] are more keys of each row's own, after the context
+        (training's carried-over slot); `ctx_mask` then spans S + R.
         """
         d = self.config
         b, q = query_ids.shape
-        s = ctx_k.shape[2]
+        s = ctx_k.shape[2] + (0 if row_k is None else row_k.shape[2])
         x = F.embedding(query_ids, self.embed).float()
         visible = torch.ones(b, q, s + q, dtype=torch.bool, device=x.device)
         if ctx_mask is not None:
@@ -161,6 +164,8 @@ class TorchDrafter(nn.Module):
             vh = a.v_proj(h).view(b, q, d.num_key_value_heads, d.head_dim)
             qh = self._rope(rms_norm(qh, a.q_norm.weight, d.rms_norm_eps), query_pos)
             kh = self._rope(rms_norm(kh, a.k_norm.weight, d.rms_norm_eps), query_pos)
+            if row_k is not None and row_v is not None:  # a row's own keys: its slot, its block
+                kh, vh = torch.cat([row_k[i], kh], dim=1), torch.cat([row_v[i], vh], dim=1)
             if ctx_k.shape[1] == 1 and b > 1:
                 attn = self._attend_shared(qh, kh, vh, ctx_k[i, 0], ctx_v[i, 0], bias)
             else:
@@ -176,7 +181,7 @@ class TorchDrafter(nn.Module):
     def _attend(self, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
                 ctx_k: torch.Tensor, ctx_v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Attention [B, heads, Q, hd] of queries qh [B, Q, heads, hd] over each row's
-        own context K/V [B, S, kv, hd] and its block's keys kh, vh [B, Q, kv, hd]."""
+        context K/V [B, S, kv, hd] and its own keys kh, vh [B, R + Q, kv, hd]."""
         group = self.config.num_attention_heads // self.config.num_key_value_heads
         keys = torch.cat([ctx_k, kh], dim=1).transpose(1, 2)  # [B, kv, S+Q, hd]
         vals = torch.cat([ctx_v, vh], dim=1).transpose(1, 2)
@@ -189,19 +194,19 @@ class TorchDrafter(nn.Module):
                        ctx_k: torch.Tensor, ctx_v: torch.Tensor, bias: torch.Tensor
                        ) -> torch.Tensor:
         """`_attend` with one context K/V [S, kv, hd] shared by all rows: every row's
-        queries meet the context keys in one matmul per KV head, the block keys in a
-        small one per row, and the context is never expanded (in training, with ~32
+        queries meet the context keys in one matmul per KV head, its own keys (slot,
+        block) in a small one per row, and the context is never expanded (in training, with ~32
         anchors per sequence, the copies and their gradients' sums cost more than the
         attention itself)."""
         b, q, heads, hd = qh.shape
-        kv = ctx_k.shape[1]
+        kv, own = ctx_k.shape[1], kh.shape[1]  # own: a row's own keys (slot, block)
         g, s = heads // kv, ctx_k.shape[0]
         q5 = qh.view(b, q, kv, g, hd) / math.sqrt(hd)  # head h reads KV head h // g
         q_ctx = q5.permute(2, 0, 3, 1, 4).reshape(kv, b * g * q, hd)
         s_ctx = (q_ctx @ ctx_k.permute(1, 2, 0)).view(kv, b, g, q, s).transpose(0, 1)
         q_blk = q5.permute(0, 2, 3, 1, 4).reshape(b, kv, g * q, hd)
-        s_blk = (q_blk @ kh.permute(0, 2, 3, 1)).view(b, kv, g, q, q)
-        scores = torch.cat([s_ctx, s_blk], dim=-1) + bias[:, :, None]  # [B, kv, g, Q, S+Q]
+        s_blk = (q_blk @ kh.permute(0, 2, 3, 1)).view(b, kv, g, q, own)
+        scores = torch.cat([s_ctx, s_blk], dim=-1) + bias[:, :, None]  # [B, kv, g, Q, S+own]
         p = torch.softmax(scores, dim=-1)
         p_ctx = p[..., :s].transpose(0, 1).reshape(kv, b * g * q, s)
         out = (p_ctx @ ctx_v.transpose(0, 1)).view(kv, b, g, q, hd).transpose(0, 1)
