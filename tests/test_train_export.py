@@ -221,6 +221,7 @@ def test_a_baseline_continues_from_an_exported_folder(
     assert meta["steps"] == BASELINE_STEPS + 2
     assert meta["continued_from"] == [str(exported["baseline"])]
     assert meta["recipe"] == "dflash-baseline"
+    assert meta["heldout_initial"]["tau"] > 1.0  # the trained export drafts, before any step
 
 
 def test_draft_vocab_command_converts_a_drafter_folder(exported: dict[str, Path],

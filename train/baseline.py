@@ -235,6 +235,9 @@ def train_baseline(a: BaselineArgs) -> Path:
             st = evaluate(model, heldout, a.eval_anchors_per_seq, heldout_feed)
         return {"acc": st.accuracy(), "tau": st.tau()}
 
+    if a.init_run and loop.main and "heldout_initial" not in loop.done.notes:
+        loop.done.notes["heldout_initial"] = heldout_eval()  # where a continued run starts
+        print("initial heldout " + json.dumps(loop.done.notes["heldout_initial"]))
     complete = loop.run(seq_loss, heldout_eval)
     if not complete or not loop.main:
         return loop.out / ("final.pt" if complete else "last.pt")
@@ -254,6 +257,7 @@ def train_baseline(a: BaselineArgs) -> Path:
             "data": a.data, "data_manifest_sha256": loop.data_sha,
             "train_sequences": len(train), "heldout_sequences": len(heldout),
             "processes": loop.world, "heldout_accuracy_per_slot": final["acc"],
-            "heldout_tau_estimate": round(final["tau"], 4), "evals": done.evals,
+            "heldout_tau_estimate": round(final["tau"], 4),
+            "heldout_initial": done.notes.get("heldout_initial"), "evals": done.evals,
             "args": meta_args(a)}
     return loop.save_final(cfg, state, meta)
