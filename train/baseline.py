@@ -87,7 +87,7 @@ def sequence_feed(place: Placement, layer_ids: list[int], decoder: Any = None) -
     return feed
 
 
-def kept(feed: Feed) -> Feed:
+def computed_once(feed: Feed) -> Feed:
     """`feed` that keeps what it made, for the held-out sequences: every evaluation visits
     the same ones, so their online states are computed once, not once per evaluation
     (a few hundred sequences: a few hundred MB of bf16 states)."""
@@ -216,7 +216,7 @@ def train_baseline(a: BaselineArgs) -> Path:
         seqs = load_sequences(a.target, a.data, layer_ids, cached=not online)
     decoder = target_decoder(a, place, layer_ids) if online else None
     feed = sequence_feed(place, layer_ids, decoder)
-    heldout_feed = kept(feed) if online else feed
+    heldout_feed = computed_once(feed) if online else feed
     train, heldout = seqs["train"], seqs["heldout"]
     weights = slot_weights(dcfg.block_size - 1, a.gamma)
     loop = Trainer(a, "baseline", model, params, opt, cfg, train, {"trained_label_tokens": 0},

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from vllm_carryover.train.baseline import (
     Sequence,
     attach_markov_head,
-    kept,
+    computed_once,
     load_sequences,
     param_groups,
     sequence_feed,
@@ -105,7 +105,7 @@ def train_carryover(a: CarryoverArgs) -> Path:
     with rank0_first():  # rank 0 fills the target-state cache, the others read it
         seqs = load_sequences(a.target, a.data, layer_ids, cached=not online)
     feed = sequence_feed(place, layer_ids, decoder if online else None)
-    heldout_feed = kept(feed) if online else feed
+    heldout_feed = computed_once(feed) if online else feed
     train, heldout = seqs["train"], seqs["heldout"]
     weights = slot_weights(dcfg.block_size - 1, a.gamma)
     counts = {"first_label_tokens": 0, "second_label_tokens": 0, "anchors": 0,
