@@ -8,8 +8,7 @@ from pathlib import Path
 import torch
 from vllm_carryover.train.vocab_subset import with_dataset_vocab
 
-from vllm_carryover.checkpoint import has_rejected_embedding, load_drafter_state, save_drafter
-from vllm_carryover.drafter_format import REJECTED_EMBEDDING
+from vllm_carryover.checkpoint import load_drafter_state, save_drafter
 from vllm_carryover.drafter_validation import validate_for_target_folder
 
 
@@ -38,9 +37,7 @@ def convert_to_draft_vocab(drafter: str, out: Path, target: str, data: str, size
     from vllm_carryover.drafter_source import resolve_drafter
 
     folder = resolve_drafter(drafter)
-    cfg, state = load_drafter_state(folder)
-    if not has_rejected_embedding(folder):
-        state.pop(REJECTED_EMBEDDING)  # loaded as zeros; a plain DFlash drafter stays one
+    cfg, state = load_drafter_state(folder, fill_rejected=False)
     cfg, state = with_dataset_vocab(cfg, state, target, data, size)
     path = save_drafter(out, cfg, state, dtype=torch.bfloat16)
     validate_for_target_folder(path, target, cfg["block_size"] - 1)

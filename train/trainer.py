@@ -40,8 +40,7 @@ from vllm_carryover.train.options import RUN_CONTROL, TrainArgs
 from vllm_carryover.train.paths import data_dir, run_dir
 from vllm_carryover.train.vocab_subset import step_vocab
 
-from vllm_carryover.checkpoint import has_rejected_embedding, load_drafter_state
-from vllm_carryover.drafter_format import REJECTED_EMBEDDING
+from vllm_carryover.checkpoint import load_drafter_state
 from vllm_carryover.torch_drafter import TorchDrafter
 
 LAST = "last.pt"
@@ -318,9 +317,7 @@ def load_init(init: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[
     e.g. a committed one on a fresh machine) or a run name in the cache (its final.pt)."""
     path = Path(init)
     if (path / "config.json").is_file():
-        cfg, state = load_drafter_state(path)
-        if not has_rejected_embedding(path):
-            state.pop(REJECTED_EMBEDDING)  # loaded as zeros; a plain DFlash drafter has none
+        cfg, state = load_drafter_state(path, fill_rejected=False)
         return cfg, {k: v.float() for k, v in state.items()}, cfg.get("carryover_config", {})
     saved = torch.load(run_dir(init) / FINAL)
     return saved["config"], saved["state"], saved["meta"]

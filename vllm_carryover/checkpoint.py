@@ -105,9 +105,11 @@ def save_drafter(out_dir: str | Path, config: dict[str, Any],
     return out
 
 
-def load_drafter_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def load_drafter_state(path: str | Path, fill_rejected: bool = True
+                       ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config dict, state dict) of a drafter folder; a missing rejected
-    embedding is returned as zeros, as the vLLM loader does."""
+    embedding is returned as zeros, as the vLLM loader does (`fill_rejected=False`:
+    left out, so that a plain DFlash drafter copied or trained on stays one)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -115,6 +117,6 @@ def load_drafter_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torc
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
         state |= load_file(str(file))
-    if REJECTED_EMBEDDING not in state:
+    if fill_rejected and REJECTED_EMBEDDING not in state:
         state[REJECTED_EMBEDDING] = torch.zeros(cfg["hidden_size"])
     return cfg, state
