@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from tiny_models import make_tiny_drafter, make_tiny_target, write_cached_dataset
+from vllm_carryover.train.dflash_loss import cosine_lr
 from vllm_carryover.train.main import main
 from vllm_carryover.train.paths import run_dir
 from vllm_carryover.train.trainer import weights_digest
@@ -138,3 +139,14 @@ def test_torchrun_two_processes_keep_identical_weights(tiny_setup: dict[str, Pat
     assert last["random"][0]["generator"].ne(last["random"][1]["generator"]).any()
     lines = log_steps(run)
     assert [x["step"] for x in lines] == [0, 1, 2, 2, 3, 4]
+
+
+def test_warmup_counts_optimizer_steps_even_when_a_time_budget_leads() -> None:
+    """A --minutes run with a huge --steps is far ahead by time from its first step on;
+    the warmup still ramps over real steps, then the cosine follows the progress."""
+    peak, warmup = 4e-4, 30
+    assert cosine_lr(0, 0.001, warmup, peak) == pytest.approx(peak / warmup)
+    assert cosine_lr(14, 0.02, warmup, peak) == pytest.approx(peak * 15 / warmup)
+    assert cosine_lr(warmup, 0.0, warmup, peak) == pytest.approx(peak)
+    assert cosine_lr(warmup, 0.5, warmup, peak) == pytest.approx(peak * 0.525)
+    assert cosine_lr(10_000, 1.0, warmup, peak) == pytest.approx(peak * 0.05)

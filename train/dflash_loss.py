@@ -110,9 +110,15 @@ class BlockStats:
         return 1.0 + self.accepted / max(self.blocks, 1)
 
 
-def cosine_lr(step: int, total: int, warmup: int, peak: float, floor: float = 0.05) -> float:
-    """Linear warmup then cosine decay to `floor * peak`."""
+def cosine_lr(step: int, progress: float, warmup: int, peak: float,
+              floor: float = 0.05) -> float:
+    """Linear warmup over the first `warmup` optimizer steps, then cosine decay to
+    `floor * peak` over the run's progress (0..1, by steps or by a --minutes budget).
+
+    The warmup counts real steps: a time budget with a large --steps (progress far ahead
+    of step / steps) must still warm a fresh optimizer up, most of all on a continued run.
+    """
     if step < warmup:
         return peak * (step + 1) / warmup
-    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    frac = min(1.0, max(0.0, progress))
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))

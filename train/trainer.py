@@ -150,7 +150,7 @@ class Trainer:
             if a.stop_after and step >= a.stop_after:
                 complete = False
                 break
-            lr = cosine_lr(int(progress * a.steps), a.steps, a.warmup, a.lr)
+            lr = cosine_lr(step, progress, a.warmup, a.lr)
             for g in self.opt.param_groups:
                 g["lr"] = lr * g.get("lr_mult", 1.0)
             metrics, counts = self._step(seq_loss)
