@@ -1,51 +1,64 @@
 #!/usr/bin/env bash
-# Reproduce the shipped SmolLM2 drafters (train/checkpoints/smollm2-135m-instruct/):
-#   1. data: 4 categories x (60 train + 12 held-out) prompts, SmolLM2's greedy answers
-#      (vLLM, Ray) -> dataset smollm2-mix-v1 in the cache (the shipped drafters were
-#      trained on this size; today's prompt sources and split rule draw other prompts
-#      than the ones they saw, so a rerun gives drafters of the same recipe, not the
-#      same bytes). The recipes cache the target's hidden states on first use;
-#   2. stages 1-2: a plain DFlash drafter from scratch (2 threads, 8 min), then 8 more
-#      minutes of plain training (1 thread) -> run mix-baseline;
-#   3. stage 3, from mix-baseline, the same data and the same number of steps (300, 2
-#      threads each, one after the other):
-#      (a) more plain DFlash training -> dflash-baseline/
-#      (b) carryover draft-verify-draft training -> carryover/
-#      and the semi-autoregressive variant, the same two recipes with a fresh Markov
-#      head of rank 16 added to mix-baseline:
-#      (c) plain training -> dspark-baseline/
-#      (d) carryover training -> dspark-carryover/
-#   4. export all four and measure tau per category through vLLM.
-# About 2 hours on a 2-core CPU (data ~20 min, each stage-3 carryover run ~25 min).
+# Reproduce the shipped SmolLM2 drafters (train/checkpoints/smollm2-135m-instruct/).
+#   1. data: the committed dataset train/datasets/smollm2-mix-v2 (3.0M response tokens,
+#      SmolLM2's greedy answers); `train data` only checks it and answers the shards
+#      still missing when DATA_SHARDS > 0 (0: use what is committed);
+#   2. the long baseline: a plain DFlash drafter (1 layer, block 8, target layers 1/14/27)
+#      over an 8,192-token draft vocabulary, online target states, bf16 autocast, 128
+#      anchors per sequence, LONG_MINUTES of training -> run long;
+#   3. four runs from it, each pair on the same data (same seed, anchors, steps):
+#      (a) carryover draft-verify-draft training for CO_MINUTES -> carryover/
+#      (b) plain training for as many steps as (a) took -> dflash-baseline/
+#      (c) carryover training with a fresh Markov head of rank 16 -> dspark-carryover/
+#      (d) plain training with that head, as many steps as (c) -> dspark-baseline/
+#   4. export all four (and the long run as dflash-mixv2/) and measure tau per
+#      category through vLLM beside vLLM's n-gram.
+# The shipped folders come from a lineage of such runs continued across sessions (each
+# folder's config.json names its runs and budgets under carryover_config); this script
+# runs the same recipe in one go. bf16 needs a CPU with native bf16 matmuls (AVX512-BF16
+# or AMX) or a GPU to be fast; elsewhere use DTYPE=float32.
 # Logs under $LOGS (default /tmp/train-smollm2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 LOGS=${LOGS:-/tmp/train-smollm2}
 OUT=train/checkpoints/smollm2-135m-instruct
+DTYPE=${DTYPE:-bfloat16}
+LONG_MINUTES=${LONG_MINUTES:-240}
+CO_MINUTES=${CO_MINUTES:-8}
+DSPARK_MINUTES=${DSPARK_MINUTES:-5}
+DATA_SHARDS=${DATA_SHARDS:-0}
+RUNS=${VLLM_CARRYOVER_CACHE:-$HOME/.cache/vllm-carryover}/train/runs
 mkdir -p "$LOGS"
 
-DATA=smollm2-mix-v1
-$PY -m train data --name $DATA --categories chat code math translation --num-train 60 \
-  --num-eval 12 --max-tokens 96 --shard-size 288 2>&1 | tee "$LOGS/data.log"
-$PY -m train baseline --data $DATA --run mix-baseline-s1 --steps 100000 --minutes 8 --lr 1.5e-3 \
-  --warmup 50 --eval-every 400 --save-every 200 2>&1 | tee "$LOGS/s1.log"
-$PY -m train baseline --data $DATA --run mix-baseline --init-run mix-baseline-s1 --steps 100000 \
-  --minutes 8 --lr 5e-4 --warmup 10 --threads 1 --eval-every 0 --save-every 100 \
-  2>&1 | tee "$LOGS/s2.log"
-$PY -m train baseline --data $DATA --run mix-baseline-s3 --init-run mix-baseline --steps 300 --lr 3e-4 \
-  --warmup 10 --eval-every 75 --save-every 25 2>&1 | tee "$LOGS/s3-baseline.log"
-$PY -m train carryover --data $DATA --run mix-carryover-s3 --init mix-baseline --steps 300 --lr 3e-4 \
-  --warmup 10 --eval-every 75 --save-every 25 2>&1 | tee "$LOGS/s3-carryover.log"
-$PY -m train baseline --data $DATA --run mix-dspark-baseline-s3 --init-run mix-baseline --markov-rank 16 \
-  --steps 300 --lr 3e-4 --warmup 10 --eval-every 75 --save-every 25 \
-  2>&1 | tee "$LOGS/s3-dspark-baseline.log"
-$PY -m train carryover --data $DATA --run mix-dspark-carryover-s3 --init mix-baseline --markov-rank 16 \
-  --steps 300 --lr 3e-4 --warmup 10 --eval-every 75 --save-every 25 \
-  2>&1 | tee "$LOGS/s3-dspark-carryover.log"
-$PY -m train export --run mix-baseline-s3 --out "$OUT/dflash-baseline"
-$PY -m train export --run mix-carryover-s3 --out "$OUT/carryover"
-$PY -m train export --run mix-dspark-baseline-s3 --out "$OUT/dspark-baseline"
-$PY -m train export --run mix-dspark-carryover-s3 --out "$OUT/dspark-carryover"
-$PY -m train eval --data $DATA --dtype float32 --num-prompts 12 --max-tokens 96 --out "$LOGS/eval.json" \
-  2>&1 | tee "$LOGS/eval.log"
+if [ "$DATA_SHARDS" -gt 0 ]; then
+  $PY -m train data --out train/datasets/smollm2-mix-v2 --max-num-seqs 256 --kv-cache-gib 6 \
+    --stop-after "$DATA_SHARDS" 2>&1 | tee "$LOGS/data.log"
+fi
+steps_of() {  # optimizer steps a run took
+  $PY -c "import json,sys; print(max(json.loads(l)['step'] for l in open(sys.argv[1])) + 1)" \
+    "$RUNS/$1/log.jsonl"
+}
+COMMON=(--dtype "$DTYPE" --eval-every 0 --save-every 25 --steps 100000)
+$PY -m train baseline --run long --draft-vocab 8192 --anchors-per-seq 128 --lr 6e-4 \
+  --warmup 50 --minutes "$LONG_MINUTES" "${COMMON[@]}" 2>&1 | tee "$LOGS/long.log"
+STAGE3=(--dtype "$DTYPE" --eval-every 0 --save-every 25 --lr 3e-4 --warmup 10)
+$PY -m train carryover --run carryover --init long --minutes "$CO_MINUTES" --steps 100000 \
+  "${STAGE3[@]}" 2>&1 | tee "$LOGS/carryover.log"
+$PY -m train baseline --run baseline --init-run long --anchors-per-seq 32 \
+  --steps "$(steps_of carryover)" "${STAGE3[@]}" 2>&1 | tee "$LOGS/baseline.log"
+$PY -m train carryover --run dspark-carryover --init long --markov-rank 16 \
+  --minutes "$DSPARK_MINUTES" --steps 100000 "${STAGE3[@]}" 2>&1 | tee "$LOGS/dspark-carryover.log"
+$PY -m train baseline --run dspark-baseline --init-run long --markov-rank 16 --anchors-per-seq 32 \
+  --steps "$(steps_of dspark-carryover)" "${STAGE3[@]}" 2>&1 | tee "$LOGS/dspark-baseline.log"
+$PY -m train export --run long --out "$OUT/dflash-mixv2"
+$PY -m train export --run baseline --out "$OUT/dflash-baseline"
+$PY -m train export --run carryover --out "$OUT/carryover"
+$PY -m train export --run dspark-baseline --out "$OUT/dspark-baseline"
+$PY -m train export --run dspark-carryover --out "$OUT/dspark-carryover"
+$PY -m train eval -k 7 --dtype "$DTYPE" --num-prompts 8 --max-tokens 128 --row ngram \
+  --row baseline=dflash:$OUT/dflash-baseline --row carryover=carryover:$OUT/carryover \
+  --row carryover-off=carryover-off:$OUT/carryover \
+  --row dspark-baseline=carryover-off:$OUT/dspark-baseline \
+  --row dspark-carryover=carryover:$OUT/dspark-carryover \
+  --out "$LOGS/eval.json" 2>&1 | tee "$LOGS/eval.log"
