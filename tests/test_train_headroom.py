@@ -1,5 +1,6 @@
 """`python -m train headroom` on a tiny Llama: its "target" column equals a brute-force
-recount (one plain causal target forward per rejection), and the table adds up."""
+recount (one plain causal target forward per rejection), the table adds up, and it
+computes the held-out states itself (no cache of the whole dataset's states)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_tiny_drafter, make_tiny_target, write_cached_dataset
+from tiny_models import make_tiny_drafter, make_tiny_target
+from vllm_carryover.train.data import write_dataset
 from vllm_carryover.train.main import main
-
-from vllm_carryover.drafter_format import default_target_layers
+from vllm_carryover.train.paths import data_dir
 
 VOCAB = 16  # small, so that some rejected rows' argmax hits the true token
 DATA = "tiny-headroom"
@@ -31,22 +32,20 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                      "response": "", "split": "heldout"})
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CARRYOVER_CACHE", str(tmp / "cache"))
-        write_cached_dataset(target, DATA, rows, default_target_layers(4))
+        write_dataset(data_dir(DATA), rows, {"target": str(target)})
     return {"target": target, "drafter": drafter, "cache": tmp / "cache"}
 
 
 def brute_force_target_hits(setup: dict[str, Path]) -> tuple[int, int]:
     """(rejections, target argmax right) with one plain forward per rejection."""
     from transformers import AutoModelForCausalLM
-    from vllm_carryover.train.baseline import load_sequences
     from vllm_carryover.train.dflash_loss import sample_anchors
     from vllm_carryover.train.draft_verify_draft import draft_verify_draft
-    from vllm_carryover.train.headroom import load_drafter
+    from vllm_carryover.train.headroom import heldout_sequences, load_drafter
 
     drafter = load_drafter(str(setup["target"]), str(setup["drafter"]))
     full = AutoModelForCausalLM.from_pretrained(setup["target"], dtype=torch.float32).eval()
-    seqs = load_sequences(str(setup["target"]), DATA,
-                          list(drafter.config.target_layer_ids))["heldout"]
+    seqs = heldout_sequences(str(setup["target"]), DATA, list(drafter.config.target_layer_ids))
     gen = torch.Generator().manual_seed(1234)
     n = hits = 0
     with torch.no_grad():
@@ -74,6 +73,7 @@ def test_headroom_target_column_matches_brute_force_and_rows_add_up(
           "--data", DATA, "--threads", "1", "--out", str(out)])
     table = json.loads(out.read_text())
     assert "| all |" in capsys.readouterr().out
+    assert not (setup["cache"] / "states").exists()  # no whole-dataset state cache filled
     assert set(table) == {"all", "chat", "code"}
     assert table["all"]["rejections"] == table["chat"]["rejections"] + table["code"]["rejections"]
     for row in table.values():

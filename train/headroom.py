@@ -33,7 +33,6 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
-    from vllm_carryover.train.baseline import load_sequences
     from vllm_carryover.train.dflash_loss import sample_anchors
     from vllm_carryover.train.draft_verify_draft import (
         Rejected,
@@ -49,7 +48,7 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
     drafter = load_drafter(target, init)
     num_drafts = drafter.config.block_size - 1
     full = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    seqs = load_sequences(target, data, list(drafter.config.target_layer_ids))["heldout"]
+    seqs = heldout_sequences(target, data, list(drafter.config.target_layer_ids))
     gen = torch.Generator().manual_seed(seed)
     counts: dict[str, Counter[str]] = defaultdict(Counter)
     with torch.no_grad():
@@ -89,6 +88,21 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
                 c["either"] += int((t | d).sum())
     return {name: {"rejections": c["rejections"], **{col: round(c[col] / max(
         c["rejections"], 1), 4) for col in COLUMNS[1:]}} for name, c in counts.items()}
+
+
+def heldout_sequences(target: str, data: str, layer_ids: list[int]) -> list[Any]:
+    """The held-out sequences with their target states computed now, in float32.
+
+    Only the held-out split is read: the cache of a whole dataset's states (18 GiB for
+    smollm2-mix-v2) would take hours to fill and more memory than a small machine has."""
+    import torch
+    from vllm_carryover.train.baseline import load_sequences, sequence_feed
+    from vllm_carryover.train.device import Placement
+    from vllm_carryover.train.target_states import truncated_decoder
+
+    decoder = truncated_decoder(target, max(layer_ids))
+    feed = sequence_feed(Placement(torch.device("cpu"), torch.float32), layer_ids, decoder)
+    return [feed(s) for s in load_sequences(target, data, layer_ids, cached=False)["heldout"]]
 
 
 def load_drafter(target: str, init: str) -> Any:
