@@ -207,7 +207,8 @@ def test_a_new_baseline_with_a_draft_vocabulary_trains_within_it(
 def test_a_baseline_continues_from_an_exported_folder(
         exported: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """`train baseline --init-run FOLDER`: a committed export is where a run continues on
-    a fresh machine; its weights are the start, its steps add up."""
+    a fresh machine; its weights are the start, its steps add up, and it draws other
+    sequences than its predecessor did (the same seed once replayed them)."""
     monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(exported["cache"]))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -222,6 +223,9 @@ def test_a_baseline_continues_from_an_exported_folder(
     assert meta["continued_from"] == [str(exported["baseline"])]
     assert meta["recipe"] == "dflash-baseline"
     assert meta["heldout_initial"]["tau"] > 1.0  # the trained export drafts, before any step
+    drawn = {run: [x["seqs"] for x in map(json.loads, (run_dir(run) / "log.jsonl").open())
+                   if "seqs" in x][:2] for run in ("tiny-baseline", "tiny-continued")}
+    assert drawn["tiny-continued"] != drawn["tiny-baseline"]
 
 
 def test_draft_vocab_command_converts_a_drafter_folder(exported: dict[str, Path],

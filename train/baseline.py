@@ -220,7 +220,7 @@ def train_baseline(a: BaselineArgs) -> Path:
     train, heldout = seqs["train"], seqs["heldout"]
     weights = slot_weights(dcfg.block_size - 1, a.gamma)
     loop = Trainer(a, "baseline", model, params, opt, cfg, train, {"trained_label_tokens": 0},
-                   place, feed)
+                   place, feed, lineage_steps=prior.get("steps", 0))
 
     def seq_loss(seq: Sequence, anchors: torch.Tensor, ids: torch.Tensor | None) -> SeqResult:
         with restricted_head(model, ids):

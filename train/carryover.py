@@ -110,7 +110,8 @@ def train_carryover(a: CarryoverArgs) -> Path:
     weights = slot_weights(dcfg.block_size - 1, a.gamma)
     counts = {"first_label_tokens": 0, "second_label_tokens": 0, "anchors": 0,
               "second_drafts": 0, "carried_states": 0, "target_tokens": 0}
-    loop = Trainer(a, "carryover", model, params, opt, cfg, train, counts, place, feed)
+    loop = Trainer(a, "carryover", model, params, opt, cfg, train, counts, place, feed,
+                   lineage_steps=init_meta.get("steps", 0))
 
     def heldout_eval() -> dict[str, Any]:
         with place.autocast():

@@ -46,6 +46,7 @@ from vllm_carryover.torch_drafter import TorchDrafter
 LAST = "last.pt"
 FINAL = "final.pt"
 LOG = "log.jsonl"
+LINEAGE_SEED_STRIDE = 1_000_003  # a prime above any world size: (rank, lineage) seeds never meet
 
 
 @dataclass
@@ -92,7 +93,7 @@ class Trainer:
     def __init__(self, a: TrainArgs, name: str, model: TorchDrafter,
                  params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
                  config: dict[str, Any], train: list[Sequence], counts: dict[str, int],
-                 place: Placement, feed: Feed) -> None:
+                 place: Placement, feed: Feed, lineage_steps: int = 0) -> None:
         check_joined()
         self.a = a
         self.place = place
@@ -107,7 +108,11 @@ class Trainer:
         self.world = world_size()
         self.out = run_dir(a.run)
         self.data_sha = load_manifest(data_dir(a.data))["sha256"]
-        self.gen = torch.Generator().manual_seed(a.seed + rank())  # ranks draw differently
+        # what each step draws (sequences, anchors, negatives): ranks draw differently, and
+        # so does a run continued from a drafter already trained `lineage_steps` steps,
+        # which would otherwise replay its predecessor's draws from the start
+        self.gen = torch.Generator().manual_seed(
+            a.seed + rank() + LINEAGE_SEED_STRIDE * lineage_steps)
         self.done = Progress(counts=dict(counts))
         self.log_bytes = 0  # log.jsonl's length at the restored checkpoint
         self.vocab = None
@@ -153,14 +158,14 @@ class Trainer:
             lr = cosine_lr(step, progress, a.warmup, a.lr)
             for g in self.opt.param_groups:
                 g["lr"] = lr * g.get("lr_mult", 1.0)
-            metrics, counts = self._step(seq_loss)
+            metrics, counts, picks = self._step(seq_loss)
             done.step = step + 1
             done.train_seconds += time.perf_counter() - t0
             for k, v in counts.items():
                 done.counts[k] += v
             if log is not None:
                 log.write(json.dumps({"step": step, **metrics, "lr": lr,
-                                      "seconds": done.train_seconds}) + "\n")
+                                      "seconds": done.train_seconds, "seqs": picks}) + "\n")
                 if by_time:
                     bar.update(100 * min(1.0, max(done.step / a.steps, done.train_seconds
                                                   / (a.minutes * 60))) - bar.n)
@@ -183,8 +188,10 @@ class Trainer:
             log.close()
         return complete
 
-    def _step(self, seq_loss: SeqLoss) -> tuple[dict[str, float], dict[str, int]]:
-        """One optimizer step; (per-step means, counts), both over all ranks."""
+    def _step(self, seq_loss: SeqLoss
+              ) -> tuple[dict[str, float], dict[str, int], list[int]]:
+        """One optimizer step; (per-step means, counts), both over all ranks, and the
+        training sequences this rank drew (indices into the train split)."""
         a = self.a
         picks = torch.randint(len(self.train), (a.seqs_per_step,), generator=self.gen).tolist()
         self.opt.zero_grad(set_to_none=True)
@@ -215,10 +222,11 @@ class Trainer:
         self.opt.step()
         n = self.world
         if n == 1:
-            return metrics, counts
+            return metrics, counts, picks
         total = sum_over_ranks([*metrics.values(), *counts.values()])
         return (dict(zip(metrics, [v / n for v in total[:len(metrics)]], strict=True)),
-                dict(zip(counts, [round(v) for v in total[len(metrics):]], strict=True)))
+                dict(zip(counts, [round(v) for v in total[len(metrics):]], strict=True)),
+                picks)
 
     def _progress(self, step: int) -> float:
         """Fraction of the run done: steps, or time if further along (rank 0's clock)."""
