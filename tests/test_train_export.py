@@ -107,8 +107,11 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         train_baseline(BaselineArgs(target=str(target), run="tiny-baseline", block_size=K + 1,
                                     intermediate_size=64, lr=1e-2, steps=BASELINE_STEPS,
                                     **RUN))
+        # every anchor of each drawn sequence: the trained tiny drafter is often right, and
+        # a few sampled anchors can miss every rejection (no carried state to train on)
         train_carryover(CarryoverArgs(target=str(target), run="tiny-carryover",
-                                      init="tiny-baseline", steps=CARRYOVER_STEPS, **RUN))
+                                      init="tiny-baseline", steps=CARRYOVER_STEPS,
+                                      **(RUN | {"anchors_per_seq": 64})))
         torch.set_num_threads(threads)
     return {"target": target, "cache": cache,
             **{recipe: export_run(target, f"tiny-{recipe}", tmp / f"export-{recipe}", cache)
