@@ -18,9 +18,8 @@ from vllm_carryover.train.baseline import (
     attach_markov_head,
     block_logits,
 )
-from vllm_carryover.train.dflash_loss import slot_weights, weighted_block_ce
+from vllm_carryover.train.dflash_loss import accepted_length, slot_weights, weighted_block_ce
 from vllm_carryover.train.draft_verify_draft import (
-    accepted_length,
     context_kv,
     draft_verify_draft,
     rejected_states,

@@ -137,6 +137,9 @@ def test_export_writes_metadata_and_bf16_weights(
         assert meta["init_checkpoint"] == "tiny-baseline"
         assert meta["init_meta"]["recipe"] == "dflash-baseline"
         assert meta["init_meta"]["steps"] == BASELINE_STEPS
+    else:  # both held-out estimates are acceptance lengths of a K-token block
+        assert 1.0 <= meta["heldout_walk_tau"] <= K + 1
+        assert 1.0 <= meta["heldout_tau_estimate"] <= K + 1
 
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         names = set(f.keys())

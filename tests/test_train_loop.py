@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from tiny_models import make_tiny_drafter, make_tiny_target, write_cached_dataset
-from vllm_carryover.train.dflash_loss import cosine_lr
+from vllm_carryover.train.dflash_loss import IGNORE, WalkStats, cosine_lr
 from vllm_carryover.train.main import main
 from vllm_carryover.train.paths import run_dir
 from vllm_carryover.train.trainer import weights_digest
@@ -150,3 +150,21 @@ def test_warmup_counts_optimizer_steps_even_when_a_time_budget_leads() -> None:
     assert cosine_lr(warmup, 0.0, warmup, peak) == pytest.approx(peak)
     assert cosine_lr(warmup, 0.5, warmup, peak) == pytest.approx(peak * 0.525)
     assert cosine_lr(10_000, 1.0, warmup, peak) == pytest.approx(peak * 0.05)
+
+
+def test_walked_tau_follows_the_anchors_a_speculative_run_visits() -> None:
+    """Anchors at every response position: the walk starts at the first, jumps past each
+    accepted prefix and the target's token, and stops at the first block without all its
+    labels; anchors inside an accepted stretch never count."""
+    k = 3
+    accepted = [2, 3, 3, 0, 3, 3, 3, 3, 1, 0, 3]
+    labels = torch.arange(len(accepted) * k).view(-1, k)
+    drafts = labels.clone()
+    for row, n in enumerate(accepted):
+        if n < k:
+            drafts[row, n] = -1
+    labels[9:, 2] = IGNORE  # the last two blocks run past the response
+    walk = WalkStats()
+    walk.add(drafts, labels)
+    assert (walk.rounds, walk.accepted) == (4, 2 + 0 + 3 + 1)  # anchors 0, 3, 4, 8
+    assert walk.tau() == pytest.approx(1 + 6 / 4)

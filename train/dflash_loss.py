@@ -76,6 +76,11 @@ def weighted_block_ce(logits: torch.Tensor, labels: torch.Tensor,
     return (ce * w).sum() / w.sum().clamp(min=1e-6), w.sum(0)
 
 
+def accepted_length(drafts: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Greedy verification: the number of leading drafts equal to the true tokens."""
+    return ((drafts == labels) & (labels != IGNORE)).int().cumprod(-1).sum(-1)
+
+
 @dataclass
 class BlockStats:
     """Top-1 accuracy per block slot and the acceptance length it implies (on the CPU)."""
@@ -108,6 +113,35 @@ class BlockStats:
     def tau(self) -> float:
         """Greedy acceptance length 1 + E[accepted prefix] (full blocks only)."""
         return 1.0 + self.accepted / max(self.blocks, 1)
+
+
+@dataclass
+class WalkStats:
+    """Acceptance length along the anchors a greedy speculative run actually visits.
+
+    A run anchors its first block at the first response token and each next one just
+    past the accepted prefix and the target's own token, so it never anchors inside a
+    stretch it has just accepted: it meets the hard positions more often than uniformly
+    sampled anchors do. This is the estimate that predicts vLLM's tau (docs/results.md,
+    session 17: uniform 1.68, walked 1.51, vLLM 1.48 for the same drafter).
+    """
+
+    rounds: int = 0
+    accepted: int = 0
+
+    def add(self, drafts: torch.Tensor, labels: torch.Tensor) -> None:
+        """Walk one response: greedy drafts [A, K] and labels [A, K] of the blocks
+        anchored at every response position in order, from the first."""
+        acc = accepted_length(drafts, labels).tolist()
+        ok = (labels != IGNORE).all(-1).tolist()
+        a = 0
+        while a < len(acc) and ok[a]:
+            self.rounds += 1
+            self.accepted += acc[a]
+            a += acc[a] + 1
+
+    def tau(self) -> float:
+        return 1.0 + self.accepted / max(self.rounds, 1)
 
 
 def cosine_lr(step: int, progress: float, warmup: int, peak: float,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm_carryover.train.dflash_loss import IGNORE, Blocks, make_blocks
+from vllm_carryover.train.dflash_loss import Blocks, accepted_length, make_blocks
 from vllm_carryover.train.vocab_subset import restricted_head
 
 from vllm_carryover.carryover_slot import carried_drafts, draft_positions
@@ -56,11 +56,6 @@ class DraftVerifyDraft:
     rejected: Rejected  # states of the kept anchors' rejected drafts
     second_logits: torch.Tensor  # [A', K, V'] with the carried-over states
     second_labels: torch.Tensor  # [A', K]
-
-
-def accepted_length(drafts: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Greedy verification: the number of leading drafts equal to the true tokens."""
-    return ((drafts == labels) & (labels != IGNORE)).int().cumprod(-1).sum(-1)
 
 
 def second_anchor_ok(anchors: torch.Tensor, accepted: torch.Tensor, num_drafts: int,

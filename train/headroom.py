@@ -33,10 +33,9 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
-    from vllm_carryover.train.dflash_loss import sample_anchors
+    from vllm_carryover.train.dflash_loss import accepted_length, sample_anchors
     from vllm_carryover.train.draft_verify_draft import (
         Rejected,
-        accepted_length,
         block_logits_over,
         context_kv,
         masked_forward,
