@@ -78,6 +78,7 @@ def test_headroom_target_column_matches_brute_force_and_rows_add_up(
     assert table["all"]["rejections"] == table["chat"]["rejections"] + table["code"]["rejections"]
     for row in table.values():
         assert max(row["target"], row["drafter"]) <= row["either"]
+        assert 1.0 <= row["walked_tau"] <= 4  # block 4: at most 3 drafts and the bonus
         assert row["either"] <= row["target"] + row["drafter"] + 1e-9
 
     n, hits = brute_force_target_hits(setup)

@@ -18,7 +18,14 @@ from typing import Any
 import pytest
 import torch
 from tiny_models import make_tiny_drafter, make_tiny_target, write_cached_dataset
-from vllm_carryover.train.dflash_loss import IGNORE, WalkStats, cosine_lr
+from vllm_carryover.train.dflash_loss import (
+    IGNORE,
+    WalkStats,
+    cosine_lr,
+    visit_weights,
+    walk_visits,
+    weighted_block_ce,
+)
 from vllm_carryover.train.main import main
 from vllm_carryover.train.paths import run_dir
 from vllm_carryover.train.trainer import weights_digest
@@ -168,3 +175,44 @@ def test_walked_tau_follows_the_anchors_a_speculative_run_visits() -> None:
     walk.add(drafts, labels)
     assert (walk.rounds, walk.accepted) == (4, 2 + 0 + 3 + 1)  # anchors 0, 3, 4, 8
     assert walk.tau() == pytest.approx(1 + 6 / 4)
+
+
+def test_walk_over_sampled_anchors_resumes_at_the_next_one() -> None:
+    """A sample of anchors: where the run's next block is not sampled, the walk goes on
+    from the next sampled anchor after it (never from one before it)."""
+    anchors = torch.tensor([5, 6, 9, 10, 14, 20])
+    accepted = torch.tensor([3, 0, 0, 2, 7, 1])
+    # 5 (+3+1) -> 9 (+0+1) -> 10 (+2+1) -> 13 not sampled: 14 (+7+1) -> 22: none
+    assert walk_visits(anchors, accepted, 5).tolist() == [True, False, True, True, True, False]
+    assert walk_visits(anchors, accepted, 7).tolist() == [False, False, True, True, True, False]
+
+
+def test_unvisited_blocks_weigh_less_in_the_loss() -> None:
+    """visit_weights marks the walked blocks 1 and the others W, and the block loss is
+    then the weighted mean over blocks (slot weights on top)."""
+    k = 2
+    labels = torch.arange(4 * k).view(4, k)
+    drafts = labels.clone()
+    drafts[1, 0] = drafts[2, 1] = drafts[3, 0] = -1  # accepted 2, 0, 1, 0
+    w = visit_weights(drafts, labels, torch.arange(10, 14), 10, 0.25)
+    assert w.tolist() == [1.0, 0.25, 0.25, 1.0]  # 10 (+2+1) -> 13
+    logits = torch.randn(4, k, 8 * k)
+    slots = torch.tensor([1.0, 0.5])
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                           reduction="none").view(4, k)
+    want = (ce * slots * w[:, None]).sum() / (slots * w[:, None]).sum()
+    torch.testing.assert_close(weighted_block_ce(logits, labels, slots, w)[0], want)
+
+
+def test_unvisited_weight_one_is_the_plain_run(tiny_setup: dict[str, Path],
+                                               cache: Path) -> None:
+    """--unvisited-weight 1 trains exactly the plain recipe; another weight runs through
+    the whole loop (the tiny random drafter accepts nothing, so every block is visited)."""
+    main(recipe_argv("baseline", tiny_setup, "uniform", "--eval-every", "0"))
+    main(recipe_argv("baseline", tiny_setup, "one", "--eval-every", "0", "--unvisited-weight", "1"))
+    main(recipe_argv("baseline", tiny_setup, "focused", "--eval-every", "0",
+                     "--unvisited-weight", "0.2"))
+    states = {r: torch.load(run_dir(r) / "final.pt")["state"]
+              for r in ("uniform", "one", "focused")}
+    assert weights_digest(states["uniform"]) == weights_digest(states["one"])
+    assert all(v.isfinite().all() for v in states["focused"].values())

@@ -24,6 +24,7 @@ from vllm_carryover.train.dflash_loss import (
     make_blocks,
     sample_anchors,
     slot_weights,
+    visit_weights,
     weighted_block_ce,
 )
 from vllm_carryover.train.distributed import rank0_first
@@ -243,7 +244,10 @@ def train_baseline(a: BaselineArgs) -> Path:
             logits, labels = block_logits(model, seq, anchors)
         if ids is not None:
             labels = remap_labels(labels, ids, dcfg.vocab_size)
-        loss, _ = weighted_block_ce(logits, labels, weights)
+        visited = None if a.unvisited_weight == 1.0 else visit_weights(
+            logits.detach().argmax(-1), labels, anchors, seq.response_start,
+            a.unvisited_weight)
+        loss, _ = weighted_block_ce(logits, labels, weights, visited)
         return SeqResult(loss, counts={"trained_label_tokens": int((labels != IGNORE).sum())})
 
     def heldout_eval() -> dict[str, Any]:

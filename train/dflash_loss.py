@@ -67,12 +67,16 @@ def slot_weights(num_slots: int, gamma: float) -> torch.Tensor:
     return torch.exp(-torch.arange(num_slots, dtype=torch.float) / gamma)
 
 
-def weighted_block_ce(logits: torch.Tensor, labels: torch.Tensor,
-                      weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weighted mean CE, per-slot weight sum) of draft logits [A, K, V] vs labels [A, K]."""
+def weighted_block_ce(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                      anchor_weights: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted mean CE, per-slot weight sum) of draft logits [A, K, V] vs labels [A, K];
+    slot j weighs `weights[j]`, and block a also `anchor_weights[a]` when given."""
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
                          reduction="none").view(labels.shape)
     w = weights.to(ce.device)[None, :] * (labels != IGNORE)
+    if anchor_weights is not None:
+        w = w * anchor_weights.to(ce.device)[:, None]
     return (ce * w).sum() / w.sum().clamp(min=1e-6), w.sum(0)
 
 
@@ -115,6 +119,33 @@ class BlockStats:
         return 1.0 + self.accepted / max(self.blocks, 1)
 
 
+def walk_visits(anchors: torch.Tensor, accepted: torch.Tensor, start: int) -> torch.Tensor:
+    """[A] bool: which of the sorted `anchors` a greedy speculative run from `start`
+    anchors a block at, given each block's accepted prefix length: the run jumps past
+    the accepted drafts and the target's own token. Where that position was not among
+    the anchors (a sample), the walk resumes at the next anchor after it."""
+    pos, acc = anchors.tolist(), accepted.tolist()
+    visits = [False] * len(pos)
+    i, nxt = 0, start
+    while True:
+        while i < len(pos) and pos[i] < nxt:
+            i += 1
+        if i == len(pos):
+            return torch.tensor(visits, dtype=torch.bool)
+        visits[i] = True
+        nxt = pos[i] + acc[i] + 1
+        i += 1
+
+
+def visit_weights(drafts: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor,
+                  start: int, unvisited: float) -> torch.Tensor:
+    """[A] loss weights of the blocks at sorted `anchors`: 1 where a greedy run of these
+    drafts [A, K] from `start` anchors a block, `unvisited` elsewhere (inside a stretch
+    the block before drafted right)."""
+    visits = walk_visits(anchors, accepted_length(drafts, labels), start)
+    return torch.where(visits, 1.0, unvisited)
+
+
 @dataclass
 class WalkStats:
     """Acceptance length along the anchors a greedy speculative run actually visits.
@@ -132,13 +163,12 @@ class WalkStats:
     def add(self, drafts: torch.Tensor, labels: torch.Tensor) -> None:
         """Walk one response: greedy drafts [A, K] and labels [A, K] of the blocks
         anchored at every response position in order, from the first."""
-        acc = accepted_length(drafts, labels).tolist()
-        ok = (labels != IGNORE).all(-1).tolist()
-        a = 0
-        while a < len(acc) and ok[a]:
-            self.rounds += 1
-            self.accepted += acc[a]
-            a += acc[a] + 1
+        acc = accepted_length(drafts, labels)
+        full = (labels != IGNORE).all(-1)
+        first_partial = int((~full).int().argmax()) if not full.all() else len(acc)
+        visits = walk_visits(torch.arange(first_partial), acc[:first_partial], 0)
+        self.rounds += int(visits.sum())
+        self.accepted += int(acc[:first_partial][visits].sum())
 
     def tau(self) -> float:
         return 1.0 + self.accepted / max(self.rounds, 1)

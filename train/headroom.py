@@ -12,6 +12,9 @@ category, for the first draft slot after every rejection:
   target   the target's argmax at the first rejected row is the true next token
   drafter  the drafter's own first guess (carryover off) is right
   either   an upper bound for that slot from reading the argmax off the states
+
+and, for scale, the drafter's own greedy acceptance length along the anchors a
+speculative run visits (`walked_tau`, the estimate that tracks vLLM's tau).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from typing import Any
 
 from vllm_carryover.train.paths import DEFAULT_DATA
 
-COLUMNS = ("rejections", "target", "drafter", "either")
+COLUMNS = ("rejections", "target", "drafter", "either", "walked_tau")
+RATES = COLUMNS[1:4]
 
 
 def headroom(target: str, init: str, data: str, anchors_per_seq: int,
@@ -85,8 +89,24 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
                 c["target"] += int(t.sum())
                 c["drafter"] += int(d.sum())
                 c["either"] += int((t | d).sum())
+    walked = walked_tau(drafter, seqs)
     return {name: {"rejections": c["rejections"], **{col: round(c[col] / max(
-        c["rejections"], 1), 4) for col in COLUMNS[1:]}} for name, c in counts.items()}
+        c["rejections"], 1), 4) for col in RATES}, "walked_tau": walked[name]}
+        for name, c in counts.items()}
+
+
+def walked_tau(drafter: Any, seqs: list[Any]) -> dict[str, float]:
+    """Per category (and "all"): the drafter's greedy acceptance length along the anchors
+    a speculative run visits."""
+    from vllm_carryover.train.baseline import evaluate
+
+    groups: dict[str, list[Any]] = defaultdict(list)
+    for seq in seqs:
+        groups["all"].append(seq)
+        if seq.category:
+            groups[seq.category].append(seq)
+    return {name: round(evaluate(drafter, group, 1, lambda s: s)[1].tau(), 4)
+            for name, group in groups.items()}
 
 
 def heldout_sequences(target: str, data: str, layer_ids: list[int]) -> list[Any]:

@@ -96,6 +96,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
                    "which makes a CPU step about 2x cheaper than over the data's ~25k "
                    "tokens, and so is drafting; 0: the whole vocabulary (default: "
                    "%(default)s)")
+    b.add_argument("--unvisited-weight", type=float, default=BaselineArgs.unvisited_weight,
+                   metavar="W", help="loss weight of the blocks a greedy speculative run of "
+                   "the current drafter would not anchor at (inside a stretch its previous "
+                   "block drafted right); the others weigh 1. Serving meets the hard "
+                   "positions after rejections more often than uniform anchors do; W < 1 "
+                   "trains toward them. Needs most of each response's anchors "
+                   "(--anchors-per-seq) to follow the walk (default: %(default)s)")
     b.set_defaults(fn=cmd_baseline)
 
     c = sub.add_parser(

@@ -62,6 +62,7 @@ class BaselineArgs(TrainArgs):
     target_layers: list[int] | None = None
     init_run: str = ""
     draft_vocab: int = 0
+    unvisited_weight: float = 1.0
 
 
 @dataclass
