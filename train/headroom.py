@@ -99,14 +99,16 @@ def walked_tau(drafter: Any, seqs: list[Any]) -> dict[str, float]:
     """Per category (and "all"): the drafter's greedy acceptance length along the anchors
     a speculative run visits."""
     from vllm_carryover.train.baseline import evaluate
+    from vllm_carryover.train.dflash_loss import WalkStats
 
     groups: dict[str, list[Any]] = defaultdict(list)
     for seq in seqs:
-        groups["all"].append(seq)
-        if seq.category:
-            groups[seq.category].append(seq)
-    return {name: round(evaluate(drafter, group, 1, lambda s: s)[1].tau(), 4)
-            for name, group in groups.items()}
+        groups[seq.category].append(seq)
+    walks = {name: evaluate(drafter, group, 1, lambda s: s)[1] for name, group in groups.items()}
+    total = WalkStats(sum(w.rounds for w in walks.values()),
+                      sum(w.accepted for w in walks.values()))
+    return {name: round(w.tau(), 4) for name, w in walks.items() if name} | {
+        "all": round(total.tau(), 4)}
 
 
 def heldout_sequences(target: str, data: str, layer_ids: list[int]) -> list[Any]:
