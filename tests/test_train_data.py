@@ -172,10 +172,43 @@ def test_killed_generation_resumes_to_the_uninterrupted_result(
 
 
 def test_continuing_with_other_shard_settings_is_refused(smollm2: Path, tmp_path: Path) -> None:
-    store.write_dataset(tmp_path, rows_with(100), {"target": "t", "max_tokens": 48})
-    for flag, value in (("--shard-size", "3"), ("--max-tokens", "9")):
+    store.write_dataset(tmp_path, rows_with(100),
+                        {"target": "t", "max_tokens": 48, "sampling": "greedy"})
+    for flag, value in (("--shard-size", "3"), ("--max-tokens", "9"), ("--temperature", "1")):
         proc = subprocess.run([sys.executable, "-m", "train", "data", "--target", str(smollm2),
                                "--out", str(tmp_path), flag, value],
                               capture_output=True, text=True, timeout=300, check=False)
         assert proc.returncode == 1
         assert f"was made with {flag}" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_same_prompts_are_answered_sampled_in_a_shard_range(
+        smollm2: Path, tmp_path: Path) -> None:
+    """--prompts-from starts a dataset with another's prompt table (and its shard size),
+    --temperature samples the answers and the manifest says so, --shards answers only
+    that index range, and continuing at another temperature is refused."""
+    source, sampled = tmp_path / "greedy", tmp_path / "sampled"
+    rows = rows_with(1000, n=8)
+    table = store.PromptTable([{k: r[k] for k in store.ROW_FIELDS} for r in rows],
+                              [r["prompt_ids"] for r in rows])
+    source.mkdir()
+    table.save(source)
+    store.write_manifest(source, {"target": "t", "seed": 0, "shard_size": 2, "max_tokens": 8,
+                                  "sampling": "greedy"})
+    env = {**os.environ, "VLLM_CARRYOVER_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "train", "data", "--target", str(smollm2), "--out", str(sampled)]
+    proc = subprocess.run([*cmd, "--prompts-from", str(source), "--temperature", "1",
+                           "--shards", "1:3", "--dtype", "float32", "--max-num-seqs", "8",
+                           "--kv-cache-gib", "0.25"],
+                          env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert store.done_shards(sampled) == [1, 2]
+    assert store.PromptTable.load(sampled).ids == table.ids
+    manifest = store.load_manifest(sampled)
+    assert manifest["sampling"] == "temperature 1" and manifest["prompts_from"] == "greedy"
+    assert (manifest["shard_size"], manifest["max_tokens"]) == (2, 8)
+    assert all(1 <= len(r["response_ids"]) <= 8 for r in load_samples(sampled))
+    refused = subprocess.run([*cmd, "--temperature", "0"], env=env, capture_output=True,
+                             text=True, timeout=300, check=False)
+    assert refused.returncode == 1
+    assert "was made with --temperature 1" in refused.stderr, refused.stderr[-2000:]

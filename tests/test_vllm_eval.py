@@ -124,3 +124,23 @@ def test_eval_per_category(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert [line.split(" | ")[0] for line in lines[2:]] == ["| alpha", "| beta", "| average"]
     assert all(line.count("|") == 5 and line.endswith("| - |") for line in lines[2:])
     assert result["table"] in printed
+
+
+def test_sampled_eval_runs_at_the_given_temperature(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(tmp_path / "cache"))
+    target = make_tiny_target(tmp_path / "target")
+    drafter = make_tiny_drafter(target, tmp_path / "drafter", block_size=K + 1)
+    tiny_dataset("tiny")
+    out = tmp_path / "eval.json"
+    args = eval_parser().parse_args([
+        "eval", "--target", str(target), "--data", "tiny", "--row", f"carryover:{drafter}",
+        "-k", str(K), "--max-tokens", str(MAX_TOKENS), "--num-prompts", "1",
+        "--temperature", "1", "--dtype", "float32", "--out", str(out)])
+    args.fn(args)
+
+    result = json.loads(out.read_text())
+    assert result["args"]["temperature"] == 1.0
+    assert all(c["drafts"] > 0 for c in result["rows"]["carryover"]["categories"].values())
+    assert "drafts/step, temperature 1," in capsys.readouterr().out

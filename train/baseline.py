@@ -21,13 +21,13 @@ from vllm_carryover.train.dflash_loss import (
     IGNORE,
     BlockStats,
     WalkStats,
-    make_blocks,
     sample_anchors,
     slot_weights,
     visit_weights,
     weighted_block_ce,
 )
 from vllm_carryover.train.distributed import rank0_first
+from vllm_carryover.train.draft_verify_draft import block_logits_over, context_kv
 from vllm_carryover.train.options import BaselineArgs, TrainArgs
 from vllm_carryover.train.paths import data_dir
 from vllm_carryover.train.target_states import (
@@ -112,17 +112,15 @@ def target_decoder(a: TrainArgs, place: Placement, layer_ids: list[int]) -> Any:
     return decoder
 
 
-def block_logits(model: TorchDrafter, seq: Sequence, anchors: torch.Tensor
+def block_logits(model: TorchDrafter, seq: Sequence, anchors: torch.Tensor,
+                 ctx_kv: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(draft logits [A, K, V], labels [A, K]) of the blocks at `anchors` of `seq`."""
-    d = model.config
-    t = seq.tokens.shape[0]
-    fused = model.fuse(seq.aux.float())
-    k, v = model.context_kv(fused, torch.arange(t, device=fused.device))  # [L, T, kv, hd]
-    blocks = make_blocks(seq.tokens, anchors, d.block_size, d.mask_token_id)
-    # one context for all anchors, each masked to the positions before it
-    logits = model(blocks.query_ids, blocks.query_pos, k[:, None], v[:, None], blocks.ctx_mask)
-    return model.teacher_forced(logits[:, 1:], blocks.prev_ids), blocks.labels
+    """(draft logits [A, K, V], labels [A, K]) of the blocks at `anchors` of `seq`, with
+    the Markov bias of the true previous tokens. `ctx_kv`: the sequence's context K/V
+    when the caller has projected it already (evaluation drafts it chunk by chunk)."""
+    k, v = ctx_kv if ctx_kv is not None else context_kv(model, seq.aux)
+    logits, blocks = block_logits_over(model, k, v, seq.tokens, anchors)
+    return model.teacher_forced(logits, blocks.prev_ids), blocks.labels
 
 
 def evaluate(model: TorchDrafter, seqs: list[Sequence], anchors_per_seq: int, feed: Feed,
@@ -141,21 +139,19 @@ def evaluate(model: TorchDrafter, seqs: list[Sequence], anchors_per_seq: int, fe
             if not sampled.numel():
                 continue
             seq = feed(seq)
+            ctx = context_kv(model, seq.aux)
             everywhere = torch.arange(start, t - 1, device=seq.tokens.device)
-            drafts, labels = zip(*(_greedy_drafts(model, seq, part)
-                                   for part in everywhere.split(chunk)), strict=True)
+            drafts, labels = [], []
+            for part in everywhere.split(chunk):
+                logits, part_labels = block_logits(model, seq, part, ctx)
+                drafts.append(logits.argmax(-1))
+                labels.append(part_labels)
             drafts, labels = torch.cat(drafts), torch.cat(labels)
             rows = (sampled - start).to(drafts.device)
             stats.add_drafts(drafts[rows], labels[rows])
             walk.add(drafts, labels)
     model.train()
     return stats, walk
-
-
-def _greedy_drafts(model: TorchDrafter, seq: Sequence, anchors: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits, labels = block_logits(model, seq, anchors)
-    return logits.argmax(-1), labels
 
 
 def new_drafter_config(target: str, a: BaselineArgs) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Training data: prompts in five categories and the target's own greedy responses.
+"""Training data: prompts in five categories and the target's own responses (greedy,
+or sampled at `--temperature`).
 
 `python -m train data` builds (once) the prompt table of a dataset folder
 (`train.dataset_store`), then answers it shard by shard through vLLM. Each Ray
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -28,6 +30,7 @@ from vllm_carryover.dtype import resolve_dtype
 load_manifest = store.load_manifest
 write_dataset = store.write_dataset
 MANIFEST_FILE = store.MANIFEST
+KEPT_META = ("target", "seed", "sources", "self_prompts", "prompts_from")  # across runs
 
 
 def load_samples(data: Path, split: str | None = None) -> list[dict[str, Any]]:
@@ -48,26 +51,34 @@ def answer(folder: Path, target: str, *, max_tokens: int, shard_size: int,
            workers: int = 1, cpus_per_worker: int = 2, ray_address: str | None = None,
            max_model_len: int = 2560, kv_cache_gib: float = 4.0, max_num_seqs: int = 256,
            dtype: str = "auto", meta: dict[str, Any] | None = None,
-           stop_after: int = 0) -> dict[str, Any]:
-    """Answer the missing shards of `folder`'s prompt table (at most `stop_after` of
-    them if set), writing each as it completes; return the manifest."""
+           stop_after: int = 0, temperature: float = 0.0,
+           shards: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Answer the missing shards of `folder`'s prompt table (only those in the index
+    range `shards` if given, at most `stop_after` of them if set), writing each as it
+    completes; return the manifest. `temperature` 0 is greedy."""
     import ray
     from vllm_carryover.train.ray_shards import ray_session
 
     table = store.PromptTable.load(folder)
     ranges = store.shard_ranges(len(table.ids), shard_size)
-    todo = [i for i in range(len(ranges)) if i not in set(store.done_shards(folder))]
+    lo, hi = shards or (0, len(ranges))
+    wanted = range(lo, min(hi, len(ranges)))
+    done_before = set(store.done_shards(folder))
+    todo = [i for i in wanted if i not in done_before]
+    print(f"{len(wanted) - len(todo)}/{len(wanted)} shards already answered; "
+          f"{len(todo)} to go" + (f", {min(stop_after, len(todo))} in this run"
+                                  if stop_after else ""), flush=True)
     todo = todo[:stop_after] if stop_after else todo
-    meta = dict(meta or {}, shard_size=shard_size, max_tokens=max_tokens, sampling="greedy")
+    meta = dict(meta or {}, shard_size=shard_size, max_tokens=max_tokens,
+                sampling=sampling_name(temperature))
     store.write_manifest(folder, meta)  # a copy taken before the first shard can resume
-    print(f"{len(ranges) - len(todo)}/{len(ranges)} shards already answered; "
-          f"{len(todo)} to go", flush=True)
     if todo:
         engine = engine_kwargs(target, max_model_len, kv_cache_gib, max_num_seqs,
                                resolve_dtype(dtype))
         with ray_session(workers, cpus_per_worker, ray_address):
             actor = ray.remote(num_cpus=cpus_per_worker)(Answerer)
-            pool = [actor.remote(engine, max_tokens) for _ in range(min(workers, len(todo)))]
+            pool = [actor.remote(engine, max_tokens, temperature=temperature)
+                    for _ in range(min(workers, len(todo)))]
             queue = list(todo)
 
             def feed(a: Any) -> None:
@@ -100,6 +111,24 @@ def answer(folder: Path, target: str, *, max_tokens: int, shard_size: int,
     return store.write_manifest(folder, meta)
 
 
+def sampling_name(temperature: float) -> str:
+    """How a dataset's responses were drawn, as its manifest records it."""
+    return f"temperature {temperature:g}" if temperature else "greedy"
+
+
+def temperature_of(sampling: str) -> float:
+    """The temperature a manifest's `sampling` entry names (`sampling_name`'s inverse)."""
+    return 0.0 if sampling == "greedy" else float(sampling.split()[1])
+
+
+def shard_range(text: str) -> tuple[int, int]:
+    """`START:END` (shard indices, END excluded) for --shards."""
+    start, sep, end = text.partition(":")
+    if not sep or not start.isdigit() or not end.isdigit() or int(start) >= int(end):
+        raise ValueError(f"--shards takes START:END with START < END (got {text!r})")
+    return int(start), int(end)
+
+
 def build_table(folder: Path, target: str, prompts: list[Prompt], max_prompt_tokens: int
                 ) -> store.PromptTable:
     """Tokenize and save the prompt table (prompts longer than the limit dropped)."""
@@ -116,7 +145,10 @@ DATA_HELP = """\
 Build or continue a training dataset: prompts in five categories (chat, code,
 math, translation, general; train and held-out prompts from disjoint units, see
 train/prompts.py), plus prompts the target writes itself, then the target's
-greedy answers through vLLM, in resumable shards.
+answers through vLLM (greedy, or sampled with --temperature), in resumable shards.
+
+--prompts-from DATASET starts a new folder with another dataset's prompt table:
+the same prompts answered another way (e.g. sampled), shard for shard.
 
 The first run writes the prompt table (prompts.npz); every run answers the
 shards that are still missing (responses/shard-NNNNN.npz) and rewrites
@@ -135,7 +167,7 @@ def add_cli(sub: Any) -> None:
     from vllm_carryover.train.paths import DEFAULT_DATA
     from vllm_carryover.train.prompts import CATEGORIES
 
-    d = sub.add_parser("data", help="prompts + the target's greedy responses, in shards",
+    d = sub.add_parser("data", help="prompts + the target's responses, in shards",
                        description=DATA_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     d.add_argument("--target", help="target folder (default: the testbed SmolLM2 folder)")
@@ -159,6 +191,14 @@ def add_cli(sub: Any) -> None:
                    "continuing, else 512)")
     d.add_argument("--stop-after", type=int, default=0,
                    help="answer at most this many shards in this invocation (0: all)")
+    d.add_argument("--shards", type=shard_range, metavar="START:END",
+                   help="answer only the missing shards with index START..END-1 (default: all)")
+    d.add_argument("--temperature", type=float, metavar="T",
+                   help="sampling temperature of the responses; 0 is greedy (default: the "
+                   "dataset's own when continuing, else 0)")
+    d.add_argument("--prompts-from", metavar="DATASET",
+                   help="a new folder starts with this dataset's prompt table (a name or a "
+                   "folder) instead of building one")
     d.add_argument("--dtype", default="auto",
                    help="generation dtype; auto: bfloat16 on a GPU or a CPU with native bf16 "
                    "matmuls, else float32 (default: %(default)s)")
@@ -184,14 +224,26 @@ def run_cli(a: Any) -> None:
         n = len(store.PromptTable.load(folder).rows)
         print(f"{folder}: continuing ({n} prompts in its table)", flush=True)
         known = (store.load_manifest(folder) if (folder / store.MANIFEST).is_file() else {})
-        meta = {k: known[k] for k in ("target", "seed", "sources", "self_prompts") if k in known}
-        for key in ("shard_size", "max_tokens"):  # every shard must be made alike
+        meta = {k: known[k] for k in KEPT_META if k in known}
+        if "sampling" in known:
+            known["temperature"] = temperature_of(known["sampling"])
+        for key in ("shard_size", "max_tokens", "temperature"):  # every shard made alike
             given, have = getattr(a, key), known.get(key)
-            if given and have and given != have:
+            if given is not None and have is not None and given != have:
                 flag = "--" + key.replace("_", "-")
-                raise SystemExit(f"{folder} was made with {flag} {have}; drop {flag} or "
-                                 f"pass {flag} {have}")
-            setattr(a, key, given or have)
+                raise SystemExit(f"{folder} was made with {flag} {have:g}; drop {flag} or "
+                                 f"pass {flag} {have:g}")
+            setattr(a, key, given if given is not None else have)
+    elif a.prompts_from:
+        source = Path(a.prompts_from)
+        source = source if source.is_dir() else data_dir(a.prompts_from)
+        known = store.load_manifest(source)
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source / store.PROMPTS, folder / store.PROMPTS)
+        print(f"prompt table: {known['prompts_total']} prompts of {source}", flush=True)
+        meta = {k: known[k] for k in KEPT_META if k in known} | {"prompts_from": source.name}
+        a.shard_size = a.shard_size or known["shard_size"]  # shard N holds the same prompts
+        a.max_tokens = a.max_tokens or known["max_tokens"]
     else:
         t = time.perf_counter()
         prompts = build_prompts(a.num_train, a.num_eval, a.seed, tuple(a.categories))
@@ -212,7 +264,8 @@ def run_cli(a: Any) -> None:
                       ray_address=a.ray_address, kv_cache_gib=a.kv_cache_gib,
                       max_num_seqs=a.max_num_seqs, dtype=a.dtype,
                       max_model_len=a.max_prompt_tokens + a.max_tokens, meta=meta,
-                      stop_after=a.stop_after)
+                      stop_after=a.stop_after, temperature=a.temperature or 0.0,
+                      shards=a.shards)
     print(json.dumps({k: manifest[k] for k in ("samples", "train", "heldout",
                                                "response_tokens", "shards_done",
                                                "shards_total")}, indent=2))

@@ -90,12 +90,14 @@ def _cmd_eval(a: argparse.Namespace) -> None:
     settings = EvalSettings(target=target, data=str(data), data_sha256=json.loads(
                                 manifest.read_text()).get("sha256") if manifest.is_file() else None,
                             categories=a.categories, num_prompts=a.num_prompts,
-                            max_tokens=a.max_tokens, k=a.k, dtype=a.dtype, ratios=a.ratio,
+                            max_tokens=a.max_tokens, k=a.k, dtype=a.dtype,
+                            temperature=a.temperature, ratios=a.ratio,
                             default_ratios=DEFAULT_RATIOS)
     rows = a.row or [parse_row(r) for r in DEFAULT_ROWS]
     prompts = heldout_prompts(data, a.categories, a.num_prompts, target)
     result = run_eval(rows, settings, out, prompts)
-    print(f"\ntau per category ({result['args']['k']} drafts/step, greedy, "
+    decoding = f"temperature {a.temperature:g}" if a.temperature else "greedy"
+    print(f"\ntau per category ({result['args']['k']} drafts/step, {decoding}, "
           f"{a.max_tokens} tokens, {a.dtype}):\n")
     print(result["table"])
     print(f"\n{out}")
@@ -106,9 +108,9 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "eval", help="acceptance length (tau) per prompt category through vLLM",
         description="Acceptance length tau = 1 + accepted / drafts per prompt category of\n"
-        "the held-out split, from vLLM's spec-decode counters; greedy decoding. Each row\n"
-        "runs in its own process (one engine, categories one after another). Writes a\n"
-        "JSON file and prints a markdown table.",
+        "the held-out split, from vLLM's spec-decode counters; greedy unless --temperature.\n"
+        "Each row runs in its own process (one engine, categories one after another).\n"
+        "Writes a JSON file and prints a markdown table.",
         epilog=ROW_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--row", action="append", type=parse_row, metavar="NAME=SPEC",
                    help="a method to measure (repeatable, see below; default: baseline, "
@@ -126,6 +128,10 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
                    help="held-out prompts per category (the first ones)")
     p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="new tokens per prompt")
     p.add_argument("-k", type=int, default=7, help="drafted tokens per step")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature of every request; 0 is greedy (default: "
+                   "%(default)s). Sampled rows differ in their outputs, so compare them over "
+                   "many prompts")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto: bfloat16 on a GPU or a CPU with native bf16 matmuls, else "
                    "float32 (default: %(default)s)")

