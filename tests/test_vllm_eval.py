@@ -72,13 +72,18 @@ def test_bad_rows_are_refused_by_the_parser(bad: str) -> None:
         eval_parser().parse_args(["eval", "--row", bad])
 
 
-def test_eval_per_category(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                           capsys: pytest.CaptureFixture[str]) -> None:
+def tiny_eval_setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, Path]:
+    """(tiny target, tiny drafter, result path), with the dataset "tiny" in a fresh cache."""
     monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(tmp_path / "cache"))
     target = make_tiny_target(tmp_path / "target")
     drafter = make_tiny_drafter(target, tmp_path / "drafter", block_size=K + 1)
     tiny_dataset("tiny")
-    out = tmp_path / "eval.json"
+    return target, drafter, tmp_path / "eval.json"
+
+
+def test_eval_per_category(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    target, drafter, out = tiny_eval_setup(tmp_path, monkeypatch)
     args = eval_parser().parse_args([
         "eval", "--target", str(target), "--data", "tiny", "--row", "none",
         "--row", f"carryover=carryover:{drafter}", "--ratio", "carryover/none", "-k", str(K),
@@ -129,11 +134,7 @@ def test_eval_per_category(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 def test_sampled_eval_runs_at_the_given_temperature(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(tmp_path / "cache"))
-    target = make_tiny_target(tmp_path / "target")
-    drafter = make_tiny_drafter(target, tmp_path / "drafter", block_size=K + 1)
-    tiny_dataset("tiny")
-    out = tmp_path / "eval.json"
+    target, drafter, out = tiny_eval_setup(tmp_path, monkeypatch)
     args = eval_parser().parse_args([
         "eval", "--target", str(target), "--data", "tiny", "--row", f"carryover:{drafter}",
         "-k", str(K), "--max-tokens", str(MAX_TOKENS), "--num-prompts", "1",
