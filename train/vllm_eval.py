@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from vllm_carryover.train.data import MANIFEST_FILE, load_samples
+from vllm_carryover.train.data import MANIFEST_FILE, load_samples, sampling_name
 from vllm_carryover.train.paths import DEFAULT_DATA, cache_root, data_dir
 
 from vllm_carryover.acceptance_eval import EvalSettings, run_eval
@@ -96,8 +96,8 @@ def _cmd_eval(a: argparse.Namespace) -> None:
     rows = a.row or [parse_row(r) for r in DEFAULT_ROWS]
     prompts = heldout_prompts(data, a.categories, a.num_prompts, target)
     result = run_eval(rows, settings, out, prompts)
-    decoding = f"temperature {a.temperature:g}" if a.temperature else "greedy"
-    print(f"\ntau per category ({result['args']['k']} drafts/step, {decoding}, "
+    print(f"\ntau per category ({result['args']['k']} drafts/step, "
+          f"{sampling_name(a.temperature)}, "
           f"{a.max_tokens} tokens, {a.dtype}):\n")
     print(result["table"])
     print(f"\n{out}")
