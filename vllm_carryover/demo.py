@@ -1,9 +1,9 @@
 """The main job: serve SmolLM2 with carryover, chat with it, show acceptance and speed.
 
 Starts `vllm serve` twice on 127.0.0.1 (no speculation, then carryover), sends
-the same OpenAI chat requests to both, prints the carryover answers, the
-acceptance length from vLLM's spec-decode counters, the carryover counters,
-and output tokens/s against the plain server.
+the same OpenAI chat requests to both, prints the carryover answers (and how
+many equal the plain server's), the acceptance length from vLLM's spec-decode
+counters, the carryover counters, and output tokens/s against the plain server.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.de
 
     print("starting vllm serve without speculation ...", flush=True)
     with VllmServer(target, logs / "plain.log", dtype=a.dtype) as plain:
-        _, plain_tokens, plain_s = chat_all(plain.url, str(target), a.max_tokens)
+        plain_answers, plain_tokens, plain_s = chat_all(plain.url, str(target), a.max_tokens)
     print("starting vllm serve with carryover ...", flush=True)
     with VllmServer(target, logs / "carryover.log", speculative_config=spec,
                     dtype=a.dtype) as server:
@@ -88,11 +88,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.de
 
     for q, ans in zip(QUESTIONS, answers, strict=True):
         print(f"\nQ: {q}\nA: {ans.strip()}")
+    same = sum(x == y for x, y in zip(answers, plain_answers, strict=True))
+    print(f"\n{same} of {len(QUESTIONS)} answers are token for token the plain server's", end="")
+    print("." if same == len(QUESTIONS) or a.dtype == "float32" else
+          f" ({a.dtype} rounds the {1 + a.k} rows of a verification differently from "
+          "one-row decoding, so a near-tie can flip; float32 is identical: --dtype float32).")
+    print()
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     drafts = delta.get("vllm:spec_decode_num_drafts_total", 0.0)
     accepted = delta.get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
     tau = 1 + accepted / drafts if drafts else float("nan")
-    print(f"\nacceptance length tau = 1 + accepted/drafts = 1 + {accepted:.0f}/{drafts:.0f} "
+    print(f"acceptance length tau = 1 + accepted/drafts = 1 + {accepted:.0f}/{drafts:.0f} "
           f"= {tau:.2f}  (K={a.k})")
     print("carryover: {:.0f} rejected states carried over, {:.0f} of {:.0f} rounds with a "
           "non-empty slot".format(delta.get("vllm:carryover_rejected_states_total", 0),
