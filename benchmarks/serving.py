@@ -68,8 +68,6 @@ def requests_per_run(concurrency: int, num_categories: int, total_prompts: int) 
     prefills; each request a different prompt (a repeated one would hit the prefix
     cache)."""
     return min(total_prompts, max(num_categories, WAVES * concurrency))
-# Requests per run: one per category at least (taken from the start of the prompt
-# file, where the categories take turns), and at least one per concurrency slot.
 METRICS = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")
 KV_CACHE_BYTES = 512 << 20  # per server; six of them share the machine's memory
 # Goals of the issue, checked where the rows exist: (row, baseline, concurrency, min ratio).
@@ -245,15 +243,14 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
     out.mkdir(parents=True, exist_ok=True)
     prompts = out / "prompts.jsonl"
     total_prompts = write_prompts(target, num_prompts, categories, prompts)
+    per_run = {c: requests_per_run(c, len(categories), total_prompts) for c in concurrency}
     max_model_len = serve_max_model_len(target)
     result: dict[str, Any] = {
         **header(),
         "args": {"target": target, "rows": {r.name: r.spec for r in rows},
                  "speculative_configs": configs, "num_prompts": total_prompts,
                  "prompts_per_category": num_prompts, "categories": list(categories),
-                 "requests_per_run": {str(c): requests_per_run(c, len(categories),
-                                                               total_prompts)
-                                      for c in concurrency},
+                 "requests_per_run": {str(c): n for c, n in per_run.items()},
                  "max_tokens": max_tokens, "concurrency": concurrency, "repeats": repeats,
                  "k": k, "dtype": dtype, "temperature": 0.0, "max_model_len": max_model_len,
                  "kv_cache_memory_bytes": KV_CACHE_BYTES},
@@ -280,9 +277,8 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
             for rep in range(repeats):
                 order = rows if rep % 2 == 0 else rows[::-1]
                 for row in order:
-                    run = bench_once(servers[row.name], target, prompts,
-                                     requests_per_run(c, len(categories), total_prompts),
-                                     c, max_tokens,
+                    run = bench_once(servers[row.name], target, prompts, per_run[c], c,
+                                     max_tokens,
                                      out / "raw" / f"{row.name}-c{c}-r{rep}.json")
                     result["runs"].append({"row": row.name, "concurrency": c, "repeat": rep,
                                            **run})
