@@ -68,6 +68,8 @@ def requests_per_run(concurrency: int, num_categories: int, total_prompts: int) 
     prefills; each request a different prompt (a repeated one would hit the prefix
     cache)."""
     return min(total_prompts, max(num_categories, WAVES * concurrency))
+
+
 METRICS = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")
 KV_CACHE_BYTES = 512 << 20  # per server; six of them share the machine's memory
 # Goals of the issue, checked where the rows exist: (row, baseline, concurrency, min ratio).
@@ -96,7 +98,7 @@ def bench_args(server: VllmServer, target: str, prompts: Path, num_prompts: int,
             "--skip-chat-template", "--disable-shuffle", "--custom-output-len", str(max_tokens),
             "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
             "--request-rate", "inf", "--temperature", "0", "--seed", "0", "--disable-tqdm",
-            "--save-result", "--result-dir", str(result_file.parent),
+            "--save-result", "--save-detailed", "--result-dir", str(result_file.parent),
             "--result-filename", result_file.name]
 
 
@@ -135,7 +137,9 @@ def bench_once(server: VllmServer, target: str, prompts: Path, num_prompts: int,
             "failed": raw.get("failed", 0), "output_tokens": raw["total_output_tokens"],
             "duration_s": round(raw["duration"], 3), "drafts": int(drafts),
             "accepted": int(accepted),
-            "tau": round(1 + accepted / drafts, 4) if drafts else None}
+            "tau": round(1 + accepted / drafts, 4) if drafts else None,
+            # per request, in the order sent: a burst's first tokens can be told apart
+            "ttfts_ms": [round(t * 1000, 1) for t in raw["ttfts"]]}
 
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Reproduce the shipped SmolLM2 drafters (train/checkpoints/smollm2-135m-instruct/).
-#   1. data: the committed dataset train/datasets/smollm2-mix-v2 (3.0M response tokens,
-#      SmolLM2's greedy answers), used as committed; DATA_SHARDS > 0 first answers that
-#      many of the shards still missing (`train data` resumes from what is written);
+#   1. data: the committed dataset train/datasets/smollm2-mix-v2 (23,949 prompts, 4.0M
+#      response tokens, SmolLM2's greedy answers), used as committed; DATA_SHARDS > 0 first
+#      answers that many of the shards still missing (`train data` resumes from what is
+#      written; all are answered);
 #   2. the long baseline: a plain DFlash drafter (1 layer, block 8, target layers 1/14/27)
 #      over an 8,192-token draft vocabulary, online target states, bf16 autocast, 128
 #      anchors per sequence, LONG_MINUTES of training -> run long;

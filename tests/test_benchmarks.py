@@ -98,6 +98,9 @@ def test_serving_quick_result_has_ratios_to_no_speculation_and_stops_servers(
     for run in result["runs"]:
         assert run["completed"] == len(CATEGORIES) and run["failed"] == 0
         assert run["output_throughput"] > 0 and run["mean_ttft_ms"] > 0
+        assert len(run["ttfts_ms"]) == run["completed"]
+        assert sum(run["ttfts_ms"]) / len(run["ttfts_ms"]) == pytest.approx(
+            run["mean_ttft_ms"], abs=0.1)
         assert (run["drafts"] > 0) == (run["row"] == "carryover")
     for c in ("1", "4"):
         assert result["table"]["none"][c]["vs_none"]["output_throughput"] == 1.0
