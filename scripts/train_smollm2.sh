@@ -5,7 +5,7 @@
 #      answers that many of the shards still missing (`train data` resumes from what is
 #      written; all are answered);
 #   2. the long baseline: a plain DFlash drafter (1 layer, block 8, target layers 1/14/27)
-#      over an 8,192-token draft vocabulary, online target states, bf16 autocast, 128
+#      over an 8,192-token draft vocabulary, online target states, DTYPE autocast, 128
 #      anchors per sequence, LONG_MINUTES of training -> run long;
 #   3. four runs from it, each pair on the same data (same seed, anchors, steps):
 #      (a) carryover draft-verify-draft training for CO_MINUTES -> carryover/
@@ -16,15 +16,15 @@
 #      category through vLLM beside vLLM's n-gram.
 # The shipped folders come from a lineage of such runs continued across sessions (each
 # folder's config.json names its runs and budgets under carryover_config); this script
-# runs the same recipe in one go. bf16 needs a CPU with native bf16 matmuls (AVX512-BF16
-# or AMX) or a GPU to be fast; elsewhere use DTYPE=float32.
+# runs the same recipe in one go. DTYPE=auto (the default) is bf16 on a GPU or a CPU with
+# native bf16 matmuls (AVX512-BF16, AMX; every shipped drafter trained so), else float32.
 # Logs under $LOGS (default /tmp/train-smollm2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 LOGS=${LOGS:-/tmp/train-smollm2}
 OUT=train/checkpoints/smollm2-135m-instruct
-DTYPE=${DTYPE:-bfloat16}
+DTYPE=${DTYPE:-auto}
 LONG_MINUTES=${LONG_MINUTES:-240}
 CO_MINUTES=${CO_MINUTES:-10}
 DSPARK_MINUTES=${DSPARK_MINUTES:-6}

@@ -24,18 +24,21 @@ from vllm_carryover.train.main import main
 from vllm_carryover.train.paths import run_dir
 
 from vllm_carryover.drafter_format import default_target_layers
-from vllm_carryover.dtype import fastest_dtype
+from vllm_carryover.dtype import cpu_has_native_bf16, fastest_dtype
 
 LAYERS = default_target_layers(4)  # make_tiny_target has 4 layers
 
 
-def test_auto_is_the_cpu_without_cuda_and_the_local_rank_gpu_with_it(
+def test_auto_is_the_local_rank_gpu_else_the_cpu_in_bf16_where_native(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    if not torch.cuda.is_available():  # this machine: the CPU, in float32, no autocast
+    if not torch.cuda.is_available():  # the CPU, in bf16 only where its matmuls are native
         assert resolve_device("auto") == torch.device("cpu")
-        assert placement().dtype == torch.float32
+        native = cpu_has_native_bf16()
+        assert placement().dtype == (torch.bfloat16 if native else torch.float32)
         with pytest.raises(SystemExit, match="no CUDA device"):
             resolve_device("cuda")
+    monkeypatch.setattr("vllm_carryover.train.device.cpu_has_native_bf16", lambda: False)
+    assert placement("cpu").dtype == torch.float32  # an AVX2-only CPU: bf16 is emulated
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("LOCAL_RANK", "1")  # as torchrun sets it for its second process
     assert resolve_device("auto") == resolve_device("cuda") == torch.device("cuda", 1)

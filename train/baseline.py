@@ -105,7 +105,7 @@ def computed_once(feed: Feed) -> Feed:
 
 def target_decoder(a: TrainArgs, place: Placement, layer_ids: list[int]) -> Any:
     """The target's decoder up to the last drafter layer, frozen, in the training dtype on
-    the training device (float32 on the CPU unless --dtype says otherwise)."""
+    the training device (both as `device.placement` resolved them)."""
     decoder = truncated_decoder(a.target, max(layer_ids), place.dtype, place.device)
     for p in decoder.parameters():
         p.requires_grad_(False)

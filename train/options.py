@@ -141,7 +141,8 @@ def add_train_options(p: argparse.ArgumentParser, d: TrainArgs) -> None:
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype,
                    help="precision of the forward passes: bfloat16 autocasts the drafter and "
                    "loads the target in bf16; the drafter's weights, gradients and optimizer "
-                   "stay float32; auto: bfloat16 on CUDA, float32 on the CPU "
+                   "stay float32; auto: bfloat16 on CUDA and on a CPU with native bf16 matmuls "
+                   "(AVX512-BF16, AMX), else float32 "
                    "(default: %(default)s)")
     p.add_argument("--target-states", choices=TARGET_STATES, default=d.target_states,
                    help="the target's hidden states the drafter reads: cached (computed once "
