@@ -265,6 +265,15 @@ def test_validator_accepts_the_valid_drafter(stub_drafter):
     assert settings.enabled
 
 
+@pytest.mark.parametrize("asked, expected", [(None, True), (False, False), (True, True)])
+def test_prefix_cache_hits_keep_their_last_block_unless_asked(stub_drafter, asked, expected):
+    """vLLM's EAGLE last-block drop is off by default for carryover (a drafter's
+    context K/V at a position needs nothing past it); a user can still ask for it."""
+    extra = {} if asked is None else {"disable_eagle_block_drop": asked}
+    spec, _ = translate(carryover(stub_drafter, **extra), SimpleNamespace(**TARGET_STUB))
+    assert spec["disable_eagle_block_drop"] is expected
+
+
 @pytest.mark.parametrize("case", [n for n, c in BAD_INPUTS.items() if not c.vllm_only])
 def test_validator_refuses_bad_input_in_one_line_naming_the_fix(stub_drafter, tmp_path, case):
     spec = make_bad_input(BAD_INPUTS[case], stub_drafter, tmp_path)

@@ -116,6 +116,16 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
         enabled = default_enabled(folder)
     if goodput_k:  # vLLM's dynamic K on; the scheduler's lookup is replaced (vllm_patches)
         spec["num_speculative_tokens_per_batch_size"] = [[1, 1, spec["num_speculative_tokens"]]]
+    # vLLM drops the last matched block of every prefix-cache hit for methods that
+    # draft from target states, because an EAGLE drafter's K/V at a position also
+    # holds the next token, which a chunk boundary can leave wrong. A DFlash-style
+    # drafter's context K/V at a position comes from that position's target state
+    # alone, written in the step that computes it, and the query block and carried
+    # rows only ever land past the computed tokens, in blocks not yet cached
+    # (tests/test_carryover_path.py checks drafts after hits). So the drop only
+    # costs recomputation: at concurrency 16 with repeated prompts it cost a third
+    # of the hits and 1.4x the time to first token (docs/results.md, session 22).
+    spec.setdefault("disable_eagle_block_drop", True)
     spec["method"] = "dflash"
     return spec, CarryoverSettings(enabled=enabled, goodput_k=goodput_k)
 
