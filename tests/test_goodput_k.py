@@ -8,6 +8,7 @@ import pytest
 
 from vllm_carryover.goodput_k import (
     MAX_PROBE_EVERY,
+    MIN_GAIN,
     GoodputK,
     KLookup,
     TimedStep,
@@ -75,11 +76,39 @@ def test_the_cost_fit_recovers_what_speculating_at_all_costs() -> None:
     assert g.best_k(1) == 0
 
 
-def test_k_max_until_the_fit_has_seen_two_ks() -> None:
+def test_no_fit_until_it_has_seen_two_ks() -> None:
     g = GoodputK(K_MAX, min_fit_steps=4)
     for _ in range(10):
         g.observe_step(TimedStep(batch=4, verified=28, drafted=28, seconds=0.05))
     assert g.coef is None and g.best_k(4) == K_MAX
+
+
+def test_warm_up_alternates_k_max_and_zero_until_the_fit_is_ready() -> None:
+    """The warm-up's own choices give the fit both ends of 0..k_max: ready after
+    `min_fit_steps` steps, where drafting k_max alone would wait for a probe."""
+    g = GoodputK(K_MAX, min_fit_steps=8)
+    last, chosen = K_MAX, []
+    while g.coef is None:
+        k = g.choose(16)
+        chosen.append(k)
+        g.observe_step(TimedStep(batch=16, verified=16 * last, drafted=16 * k,
+                                 seconds=0.02 + 0.002 * 16 * (last + k)))
+        last = k
+    assert chosen == [K_MAX, 0] * 4
+    assert g.best_k(16) == 0  # nothing was accepted
+
+
+@pytest.mark.parametrize(("verify_cost", "k"), [(0.45, 0), (0.30, 1)])
+def test_drafting_must_beat_k0_by_a_margin(verify_cost: float, k: int) -> None:
+    """Half the drafts accepted, a step costing its rows: K = 1 yields 1.5x the tokens
+    for 1 + verify_cost the time. 3 % better than K = 0 is a break-even left at K = 0;
+    15 % better drafts."""
+    g = GoodputK(K_MAX)
+    g.reached[:], g.accepted[:] = 100.0, 50.0
+    g.coef = np.array([0.0, 1.0, verify_cost, 0.0, 0.0, 0.0])
+    gain = 1.5 / (1 + verify_cost) - 1
+    assert (gain >= MIN_GAIN) == (k > 0)
+    assert g.best_k(16) == k
 
 
 def test_nothing_accepted_means_no_drafts() -> None:
@@ -115,7 +144,9 @@ def test_probes_try_only_the_neighbours_of_the_chosen_k() -> None:
 
 
 def test_at_k_max_probes_go_down_only() -> None:
-    g = GoodputK(K_MAX, probe_every=4)  # no fit yet: K = k_max
+    g = GoodputK(K_MAX, probe_every=4)
+    g.coef = np.zeros(6)
+    g.best_k = lambda batch: K_MAX  # type: ignore[method-assign]
     assert set(KLookup(g)[8] for _ in range(200)) == {K_MAX, K_MAX - 1}
 
 

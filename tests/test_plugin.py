@@ -97,3 +97,31 @@ def test_cpu_rejection_sampling_leaves_edited_logits_to_vllm():
     for step in (biased, penalised, logprobs):
         assert fast(sampler, *step) == "vllm's own"
     assert seen == [biased[3], penalised[3], logprobs[3]]
+
+
+@pytest.mark.parametrize(("method", "last_k", "fetches"),
+                         [("carryover", 0, 0), ("carryover", 3, 1), ("ngram", 0, 1)])
+def test_engine_core_fetches_no_drafts_after_a_step_that_drafted_none(
+        smollm2, random_drafter, method, last_k, fetches):
+    """Patch 10: after a K = 0 step the drafts are all empty and the scheduler has
+    already cleared what it scheduled, so a carryover engine core skips the round trip
+    to the worker; steps that drafted, and other methods, still fetch."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.core import EngineCore
+
+    vllm_carryover.register()
+    spec = ({"method": "carryover", "model": str(random_drafter), "num_speculative_tokens": 3}
+            if method == "carryover" else
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    config = EngineArgs(model=str(smollm2), dtype="float32", enforce_eager=True,
+                        max_model_len=512, kv_cache_memory_bytes=1 << 28,
+                        speculative_config=spec).create_engine_config()
+    fetched: list[int] = []
+    core = object.__new__(EngineCore)
+    core.vllm_config, core.batch_queue = config, None
+    core.check_for_draft_tokens, core.async_scheduling = True, False
+    core.model_executor = SimpleNamespace(take_draft_token_ids=lambda: fetched.append(1))
+    core.scheduler = SimpleNamespace(carryover_last_k=last_k)
+    EngineCore.post_step(core, model_executed=True)
+    assert len(fetched) == fetches

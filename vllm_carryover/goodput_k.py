@@ -17,15 +17,22 @@ Both sides are measured while serving, in the scheduler's process:
   the drafter's launch): without them a K = 1 step looks nearly as cheap as a plain
   one, which it is not.
 
-`choose(B)` is the K in 0..k_max with the most tokens per second; K = 0 drafts
-nothing, which costs a plain decode step plus the drafter keeping its context
-(vLLM's DFlash runs the drafter even then). Now and then a step probes a neighbour
+`choose(B)` is the K in 0..k_max with the most tokens per second, if that beats
+K = 0 by `MIN_GAIN`; K = 0 drafts nothing, which costs a plain decode step plus the
+drafter keeping its context. The margin keeps break-even choices at K = 0: where
+drafting buys about as many tokens as it costs time (measured on a 2-core CPU at
+batch 12: K = 1 steps take 1.40x a K = 0 step for 1.4x the tokens), a few percent
+of error in the fit would otherwise decide, and the risk is all on the side of
+losing to no speculation. Now and then a step probes a neighbour
 of the chosen K (one less, one more, in turn), so that the cost fit sees more than
 one K and acceptance keeps being measured while the chosen K is 0; a far K is never
 probed, since a K = 7 step can cost several plain ones at a large batch. Probes
 start every `probe_every` steps and thin out, down to one in `MAX_PROBE_EVERY`,
-while the choice holds. Until the fit has enough steps, K stays k_max. Verification
-is unchanged by K, so greedy output is too.
+while the choice holds. Until the fit is ready, steps alternate between K = k_max
+and K = 0: the two ends of the range give the linear fit its firmest slope and
+every draft position its acceptance, and at a large batch, where K = k_max costs
+several plain steps, the warm-up costs half as much as drafting k_max throughout.
+Verification is unchanged by K, so greedy output is too.
 
 vLLM's dynamic speculative decoding (`num_speculative_tokens_per_batch_size`)
 supplies the rest: the scheduler asks `lookup[batch size]` for each step's K, and
@@ -41,7 +48,8 @@ import numpy as np
 
 PROBE_EVERY = 16  # at first one step in PROBE_EVERY drafts a neighbour of the chosen K
 MAX_PROBE_EVERY = 128  # ... and at least one in MAX_PROBE_EVERY once the choice holds
-MIN_FIT_STEPS = 32  # decode steps timed before the fit replaces k_max
+MIN_GAIN = 0.05  # a K > 0 must promise this much more tokens/s than K = 0
+MIN_FIT_STEPS = 32  # decode steps timed before the fit replaces the warm-up
 HALF_LIFE_STEPS = 512  # acceptance counts and timed steps age over this many steps
 REFIT_EVERY = 8  # steps between refits of the cost model
 
@@ -88,6 +96,7 @@ class GoodputK:
         self._since_probe = 0
         self._probe_up = False  # which neighbour the next probe tries
         self._last_best: int | None = None
+        self._warm_up_steps = 0
 
     # -- what the scheduler reports ------------------------------------------------
     def observe_request(self, drafted: int, accepted: int) -> None:
@@ -145,18 +154,24 @@ class GoodputK:
 
     def best_k(self, batch: int) -> int:
         """The K with the most tokens per second at this batch size (the smallest on
-        ties); k_max while the cost fit is not ready."""
+        ties), or 0 unless it beats K = 0 by `MIN_GAIN`; k_max while the cost fit is
+        not ready (`choose` then alternates it with 0)."""
         if self.coef is None:
             return self.k_max
         # called every scheduler step: all Ks at once
         seconds = self.step_seconds(batch, np.arange(self.k_max + 1))
         rates = batch * expected_tokens_by_k(self.acceptance()) / np.maximum(seconds, 1e-9)
-        return int(np.argmax(rates))
+        best = int(np.argmax(rates))
+        return best if rates[best] >= (1.0 + MIN_GAIN) * rates[0] else 0
 
     # -- what the scheduler asks -----------------------------------------------------
     def choose(self, batch: int) -> int:
         """K for the next step at this batch size, or now and then a probe of a
-        neighbouring K (one less and one more in turn, inside 0..k_max)."""
+        neighbouring K (one less and one more in turn, inside 0..k_max); k_max and 0
+        in turn while the cost fit is not ready."""
+        if self.coef is None:
+            self._warm_up_steps += 1
+            return self.k_max if self._warm_up_steps % 2 else 0
         best = self.best_k(batch)
         if best != self._last_best:  # a new choice: look around it closely again
             self._last_best, self._probe_interval = best, self.probe_every

@@ -46,6 +46,10 @@ whose meaning may change between releases.
      own CPU kernel (the same first maximum), then vLLM's greedy acceptance.
    Every other step is vLLM's own. Tokens are the same either way, ties included
    (tests/test_plugin.py), and the greedy choice is the one the target alone makes.
+10. `Scheduler.schedule` and `EngineCore.post_step`, carryover configs only, speed:
+   after a step that drafted nothing (K = 0), the engine core does not ask the
+   worker for its drafts (one IPC round trip per step on the critical path, 2.6 %
+   of a served engine core's time at concurrency 16, where K by goodput is 0).
 """
 
 from __future__ import annotations
@@ -288,6 +292,40 @@ def _patch_scheduler_goodput_k() -> None:
     Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
 
 
+def _skip_draft_fetch_after_k0() -> None:
+    """Patch 10. A step scheduled with K = 0 makes the drafter propose zero tokens for
+    every request, and `Scheduler.schedule` has already emptied the drafts of every
+    request it scheduled, so fetching those empty drafts changes nothing. Only the
+    plain step (`EngineCore.step`, no batch queue) is covered: there the last
+    schedule is the step that just ran."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    from vllm_carryover.speculative_config import wants_carryover
+
+    if getattr(EngineCore.post_step, "_carryover", False):
+        return
+    schedule, post_step = Scheduler.schedule, EngineCore.post_step
+
+    def schedule_and_note_k(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = schedule(self, *args, **kwargs)
+        self.carryover_last_k = out.num_spec_tokens_to_schedule
+        return out
+
+    def post_step_without_empty_fetch(self: Any, model_executed: bool) -> None:
+        skips = self.__dict__.get("_carryover_skips_empty_fetch")
+        if skips is None:
+            skips = self._carryover_skips_empty_fetch = (
+                self.batch_queue is None and wants_carryover(self.vllm_config))
+        if skips and getattr(self.scheduler, "carryover_last_k", None) == 0:
+            return
+        post_step(self, model_executed)
+
+    post_step_without_empty_fetch._carryover = True  # type: ignore[attr-defined]
+    Scheduler.schedule = schedule_and_note_k  # type: ignore[method-assign]
+    EngineCore.post_step = post_step_without_empty_fetch  # type: ignore[method-assign]
+
+
 def _register_model() -> None:
     from vllm import ModelRegistry
 
@@ -427,6 +465,7 @@ def apply() -> None:
     _patch_engine_args()
     _patch_dflash_proposer()
     _patch_scheduler_goodput_k()
+    _skip_draft_fetch_after_k0()
     _keep_carryover_on_the_v1_runner()
     _register_model()
     _install_cli_excepthook()
