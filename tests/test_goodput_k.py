@@ -51,10 +51,26 @@ def test_expected_tokens_counts_the_bonus_token_and_each_accepted_prefix() -> No
 
 def test_acceptance_is_conditional_on_reaching_the_position() -> None:
     g = GoodputK(K_MAX)
-    g.observe_request(drafted=7, accepted=2)  # positions 1, 2 accepted, 3 rejected
-    g.observe_request(drafted=7, accepted=0)  # position 1 rejected
-    g.observe_request(drafted=2, accepted=2)  # both accepted, nothing further drafted
-    assert g.acceptance().tolist() == [2 / 3, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    for _ in range(1000):
+        g.observe_request(drafted=7, accepted=2)  # positions 1, 2 accepted, 3 rejected
+        g.observe_request(drafted=7, accepted=0)  # position 1 rejected
+        g.observe_request(drafted=2, accepted=2)  # both accepted, nothing further drafted
+    assert g.acceptance()[:3] == pytest.approx([2 / 3, 1.0, 0.0], abs=0.01)
+
+
+def test_positions_seldom_reached_lean_on_the_one_before() -> None:
+    """Position 1 is taken as seen; a later position seen by few requests is pulled
+    towards the one before it, and one never reached takes its rate."""
+    g = GoodputK(K_MAX)
+    for _ in range(100):
+        g.observe_request(drafted=2, accepted=0)
+        g.observe_request(drafted=2, accepted=2)
+    g.observe_request(drafted=3, accepted=2)  # position 3 reached once, rejected
+    accept = g.acceptance()
+    assert accept[0] == pytest.approx(101 / 201)
+    assert 0.95 < accept[1] < 1.0  # 101 of 101 seen: the data outweighs the prior
+    assert accept[1] > accept[2] > 0.8  # 0 of 1 seen: mostly the prior
+    assert (accept[3:] == accept[2]).all()
 
 
 def test_the_cost_fit_recovers_the_true_costs() -> None:

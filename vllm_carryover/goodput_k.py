@@ -48,6 +48,7 @@ import numpy as np
 
 PROBE_EVERY = 16  # at first one step in PROBE_EVERY drafts a neighbour of the chosen K
 MAX_PROBE_EVERY = 128  # ... and at least one in MAX_PROBE_EVERY once the choice holds
+PRIOR_REQUESTS = 8.0  # weight of the previous position's rate in a later position's
 MIN_GAIN = 0.05  # a K > 0 must promise this much more tokens/s than K = 0
 MIN_FIT_STEPS = 32  # decode steps timed before the fit replaces the warm-up
 HALF_LIFE_STEPS = 512  # acceptance counts and timed steps age over this many steps
@@ -121,11 +122,19 @@ class GoodputK:
 
     # -- estimates -----------------------------------------------------------------
     def acceptance(self) -> np.ndarray:
-        """Conditional acceptance rate per draft position; 0 where nothing was seen
-        (a position never reached cannot be counted on)."""
+        """Conditional acceptance rate per draft position. Position 1 is what it was
+        seen to be (0 if never drafted); each later one is shrunk towards the position
+        before it by `PRIOR_REQUESTS` pseudo-requests. A position is reached only after
+        every earlier draft was accepted, so positions past the chosen K + 1 are seldom
+        or never seen: counted as 0 they would keep K from ever climbing, and a handful
+        of requests would decide them; rates that fall gently from one position to the
+        next are what drafters show."""
         out = np.zeros(self.k_max)
-        seen = self.reached > 1e-9
-        out[seen] = self.accepted[seen] / self.reached[seen]
+        if self.reached[0] > 1e-9:
+            out[0] = self.accepted[0] / self.reached[0]
+        for j in range(1, self.k_max):
+            out[j] = ((self.accepted[j] + PRIOR_REQUESTS * out[j - 1])
+                      / (self.reached[j] + PRIOR_REQUESTS))
         return out
 
     def fit(self) -> np.ndarray | None:
