@@ -9,6 +9,7 @@ import pytest
 from vllm_carryover.goodput_k import (
     MAX_PROBE_EVERY,
     MIN_GAIN,
+    MIN_WARM_UP_REQUESTS,
     GoodputK,
     KLookup,
     TimedStep,
@@ -99,19 +100,31 @@ def test_no_fit_until_it_has_seen_two_ks() -> None:
     assert g.coef is None and g.best_k(4) == K_MAX
 
 
-def test_warm_up_alternates_k_max_and_zero_until_the_fit_is_ready() -> None:
-    """The warm-up's own choices give the fit both ends of 0..k_max: ready after
-    `min_fit_steps` steps, where drafting k_max alone would wait for a probe."""
-    g = GoodputK(K_MAX, min_fit_steps=8)
-    last, chosen = K_MAX, []
-    while g.coef is None:
-        k = g.choose(16)
+def warm_up(g: GoodputK, batch: int) -> list[int]:
+    """Steps at one batch size until the warm-up is over; every draft is rejected."""
+    last, chosen = 0, []
+    for _ in range(1000):
+        k = g.choose(batch)
         chosen.append(k)
-        g.observe_step(TimedStep(batch=16, verified=16 * last, drafted=16 * k,
-                                 seconds=0.02 + 0.002 * 16 * (last + k)))
+        for _ in range(batch if last else 0):
+            g.observe_request(last, 0)
+        g.observe_step(TimedStep(batch=batch, verified=batch * last, drafted=batch * k,
+                                 seconds=0.02 + 0.002 * batch * (last + k)))
         last = k
-    assert chosen == [K_MAX, 0] * 4
+        if g.coef is not None and g.drafted_requests >= MIN_WARM_UP_REQUESTS:
+            break
+    return chosen
+
+
+def test_warm_up_alternates_k_max_and_zero_until_fit_and_acceptance_are_ready() -> None:
+    """The warm-up's own choices give the fit both ends of 0..k_max: at batch 16 it is
+    over after `min_fit_steps` steps, where drafting k_max alone would wait for a probe;
+    at batch 1 it goes on until `MIN_WARM_UP_REQUESTS` requests had drafts verified."""
+    g = GoodputK(K_MAX, min_fit_steps=8)
+    assert warm_up(g, 16) == [K_MAX, 0] * 4
     assert g.best_k(16) == 0  # nothing was accepted
+    g = GoodputK(K_MAX, min_fit_steps=8)
+    assert warm_up(g, 1) == [K_MAX, 0] * MIN_WARM_UP_REQUESTS
 
 
 @pytest.mark.parametrize(("verify_cost", "k"), [(0.45, 0), (0.30, 1)])
@@ -152,7 +165,7 @@ def test_k_falls_as_the_batch_grows_when_verifying_costs_per_token() -> None:
 
 def test_probes_try_only_the_neighbours_of_the_chosen_k() -> None:
     g = GoodputK(K_MAX, probe_every=4)
-    g.coef = np.zeros(6)  # a fit is there ...
+    g.coef, g.drafted_requests = np.zeros(6), MIN_WARM_UP_REQUESTS  # a fit is there ...
     g.best_k = lambda batch: 3  # type: ignore[method-assign]  # ... and it says K = 3
     chosen = [KLookup(g)[8] for _ in range(200)]
     assert set(chosen) == {2, 3, 4}
@@ -161,14 +174,14 @@ def test_probes_try_only_the_neighbours_of_the_chosen_k() -> None:
 
 def test_at_k_max_probes_go_down_only() -> None:
     g = GoodputK(K_MAX, probe_every=4)
-    g.coef = np.zeros(6)
+    g.coef, g.drafted_requests = np.zeros(6), MIN_WARM_UP_REQUESTS
     g.best_k = lambda batch: K_MAX  # type: ignore[method-assign]
     assert set(KLookup(g)[8] for _ in range(200)) == {K_MAX, K_MAX - 1}
 
 
 def test_probes_thin_out_while_the_choice_holds_and_return_when_it_changes() -> None:
     g = GoodputK(K_MAX, probe_every=4)
-    g.coef = np.zeros(6)
+    g.coef, g.drafted_requests = np.zeros(6), MIN_WARM_UP_REQUESTS
     best = 0
     g.best_k = lambda batch: best  # type: ignore[method-assign]
     first = [g.choose(8) for _ in range(1000)]

@@ -28,10 +28,13 @@ of the chosen K (one less, one more, in turn), so that the cost fit sees more th
 one K and acceptance keeps being measured while the chosen K is 0; a far K is never
 probed, since a K = 7 step can cost several plain ones at a large batch. Probes
 start every `probe_every` steps and thin out, down to one in `MAX_PROBE_EVERY`,
-while the choice holds. Until the fit is ready, steps alternate between K = k_max
-and K = 0: the two ends of the range give the linear fit its firmest slope and
-every draft position its acceptance, and at a large batch, where K = k_max costs
-several plain steps, the warm-up costs half as much as drafting k_max throughout.
+while the choice holds. Until the fit is ready and `MIN_WARM_UP_REQUESTS` requests
+have had drafts verified, steps alternate between K = k_max and K = 0: the two ends
+of the range give the linear fit its firmest slope and every draft position its
+acceptance, and at a large batch, where K = k_max costs several plain steps, the
+warm-up costs half as much as drafting k_max throughout. (At batch 1 the fit alone
+is ready after 16 drafted requests, too few for the acceptance: one run measured
+position 1 at 0.20 from them, against 0.35 later, and drafted nothing.)
 Verification is unchanged by K, so greedy output is too.
 
 vLLM's dynamic speculative decoding (`num_speculative_tokens_per_batch_size`)
@@ -50,6 +53,7 @@ PROBE_EVERY = 16  # at first one step in PROBE_EVERY drafts a neighbour of the c
 MAX_PROBE_EVERY = 128  # ... and at least one in MAX_PROBE_EVERY once the choice holds
 PRIOR_REQUESTS = 8.0  # weight of the previous position's rate in a later position's
 MIN_GAIN = 0.05  # a K > 0 must promise this much more tokens/s than K = 0
+MIN_WARM_UP_REQUESTS = 64  # requests with verified drafts before the warm-up ends
 MIN_FIT_STEPS = 32  # decode steps timed before the fit replaces the warm-up
 HALF_LIFE_STEPS = 512  # acceptance counts and timed steps age over this many steps
 REFIT_EVERY = 8  # steps between refits of the cost model
@@ -98,12 +102,14 @@ class GoodputK:
         self._probe_up = False  # which neighbour the next probe tries
         self._last_best: int | None = None
         self._warm_up_steps = 0
+        self.drafted_requests = 0  # requests whose drafts were verified, never decayed
 
     # -- what the scheduler reports ------------------------------------------------
     def observe_request(self, drafted: int, accepted: int) -> None:
         """One verified request: `accepted` of its `drafted` tokens were accepted."""
         drafted = min(drafted, self.k_max)
         accepted = max(0, min(accepted, drafted))
+        self.drafted_requests += drafted > 0
         # position j (0-based) was reached if all before it were accepted
         reached = min(drafted, accepted + 1)
         self.reached[:reached] += 1.0
@@ -177,8 +183,8 @@ class GoodputK:
     def choose(self, batch: int) -> int:
         """K for the next step at this batch size, or now and then a probe of a
         neighbouring K (one less and one more in turn, inside 0..k_max); k_max and 0
-        in turn while the cost fit is not ready."""
-        if self.coef is None:
+        in turn while warming up (no cost fit yet, or too few drafted requests)."""
+        if self.coef is None or self.drafted_requests < MIN_WARM_UP_REQUESTS:
             self._warm_up_steps += 1
             return self.k_max if self._warm_up_steps % 2 else 0
         best = self.best_k(batch)
