@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from tiny_models import make_tiny_drafter, make_tiny_target, write_cached_dataset
+from vllm_carryover.train.baseline import grow_layers
 from vllm_carryover.train.dflash_loss import (
     IGNORE,
     WalkStats,
@@ -30,7 +31,10 @@ from vllm_carryover.train.main import main
 from vllm_carryover.train.paths import run_dir
 from vllm_carryover.train.trainer import weights_digest
 
-from vllm_carryover.drafter_format import default_target_layers
+from vllm_carryover.checkpoint import load_drafter_state
+from vllm_carryover.drafter_format import DrafterConfig, default_target_layers
+from vllm_carryover.target_weights import target_embedding
+from vllm_carryover.torch_drafter import TorchDrafter
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 512  # make_tiny_target's default
@@ -216,3 +220,21 @@ def test_unvisited_weight_one_is_the_plain_run(tiny_setup: dict[str, Path],
               for r in ("uniform", "one", "focused")}
     assert weights_digest(states["uniform"]) == weights_digest(states["one"])
     assert all(v.isfinite().all() for v in states["focused"].values())
+
+
+def test_grown_drafter_drafts_as_the_shallow_one_until_trained(tmp_path: Path) -> None:
+    target = make_tiny_target(tmp_path / "target")
+    cfg, state = load_drafter_state(make_tiny_drafter(target, tmp_path / "drafter"))
+    deep_cfg, deep_state = grow_layers(cfg, state, 3)
+    assert deep_cfg["num_hidden_layers"] == 3 and len(deep_cfg["layer_types"]) == 3
+    assert grow_layers(cfg, state, 1) == (cfg, state)  # never shrinks
+
+    def logits(c: dict[str, Any], s: dict[str, torch.Tensor]) -> torch.Tensor:
+        model = TorchDrafter(DrafterConfig.from_dict(c), target_embedding(str(target)))
+        model.load_checkpoint_state(s)
+        gen = torch.Generator().manual_seed(0)
+        fused = torch.randn(12, model.config.hidden_size, generator=gen)
+        return model.draft_logits(fused, torch.arange(12), bonus_token=7, block_start=12,
+                                  num_draft=4)
+
+    torch.testing.assert_close(logits(deep_cfg, deep_state), logits(cfg, state))

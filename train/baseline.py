@@ -174,6 +174,31 @@ def attach_markov_head(cfg: dict[str, Any], state: dict[str, torch.Tensor], rank
     return dict(cfg, markov_rank=rank), state | fresh_markov_state(cfg["vocab_size"], rank, seed)
 
 
+def grow_layers(cfg: dict[str, Any], state: dict[str, torch.Tensor], num_layers: int
+                ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config, state) deepened to `num_layers` without changing what the drafter computes.
+
+    Each new layer is appended as a copy of the last one with its two output matrices
+    (`o_proj`, `down_proj`) at zero, so it adds nothing to the residual stream until
+    training moves them. Why deepen: in a one-layer drafter the mask slots' queries are
+    the mask embedding alone, so they cannot ask the context about the bonus token;
+    a second layer's queries can. Growing keeps everything the shallow lineage learned.
+    """
+    have = cfg["num_hidden_layers"]
+    if num_layers <= have:
+        return cfg, state
+    state = dict(state)
+    last = f"layers.{have - 1}."
+    for i in range(have, num_layers):
+        for name in [k for k in state if k.startswith(last)]:
+            new = f"layers.{i}." + name[len(last):]
+            zero = name.endswith(("o_proj.weight", "down_proj.weight"))
+            state[new] = torch.zeros_like(state[name]) if zero else state[name].clone()
+    kinds = cfg.get("layer_types") or ["full_attention"] * have
+    return dict(cfg, num_hidden_layers=num_layers,
+                layer_types=kinds + [kinds[-1]] * (num_layers - have)), state
+
+
 def param_groups(model: TorchDrafter, a: TrainArgs,
                  rejected_lr_mult: float | None = None) -> list[dict[str, Any]]:
     """AdamW groups: the backbone; the Markov head (new: --markov-lr-mult); the rejected
@@ -207,6 +232,7 @@ def train_baseline(a: BaselineArgs) -> Path:
                              f"the --init-run drafter has draft_vocab_size "
                              f"{cfg.get('draft_vocab_size')}: convert it first (`python -m "
                              "train draft-vocab`) or drop --draft-vocab")
+        cfg, state = grow_layers(cfg, state, a.layers)
     else:
         cfg = new_drafter_config(a.target, a)
         state = random_drafter_state(DrafterConfig.from_dict(cfg), a.seed)

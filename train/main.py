@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
         "the CPU, NCCL on CUDA).")
     add_train_options(b, BaselineArgs())
     b.add_argument("--layers", type=int, default=BaselineArgs.layers,
-                   help="drafter decoder layers (default: %(default)s)")
+                   help="drafter decoder layers (default: %(default)s); with --init-run, a "
+                   "larger number deepens that drafter by layers that start as the identity")
     b.add_argument("--block-size", type=int, default=BaselineArgs.block_size,
                    help="draft block size: the bonus token + block-size - 1 drafted tokens "
                    "(default: %(default)s)")

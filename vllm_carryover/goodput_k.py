@@ -101,7 +101,7 @@ class GoodputK:
         self._since_probe = 0
         self._probe_up = False  # which neighbour the next probe tries
         self._last_best: int | None = None
-        self._warm_up_steps = 0
+        self._warm_up_drafts_next = True  # warm-up alternates k_max and 0
         self.drafted_requests = 0  # requests whose drafts were verified, never decayed
 
     # -- what the scheduler reports ------------------------------------------------
@@ -185,8 +185,9 @@ class GoodputK:
         neighbouring K (one less and one more in turn, inside 0..k_max); k_max and 0
         in turn while warming up (no cost fit yet, or too few drafted requests)."""
         if self.coef is None or self.drafted_requests < MIN_WARM_UP_REQUESTS:
-            self._warm_up_steps += 1
-            return self.k_max if self._warm_up_steps % 2 else 0
+            drafts, self._warm_up_drafts_next = (self._warm_up_drafts_next,
+                                                 not self._warm_up_drafts_next)
+            return self.k_max if drafts else 0
         best = self.best_k(batch)
         if best != self._last_best:  # a new choice: look around it closely again
             self._last_best, self._probe_interval = best, self.probe_every
