@@ -4,8 +4,12 @@ Every row gets its own `vllm serve` on 127.0.0.1 (a free port). All servers are
 started first and stay up; then, for each concurrency, `vllm bench serve` drives
 them one at a time in turn on the same held-out prompts (greedy, completions
 API), the order reversed on every repeat, so slow drifts of a noisy machine hit
-all rows alike. Reported per row and concurrency: output tokens/s, mean TPOT
-and mean TTFT (averaged over repeats), their ratios to no speculation measured
+all rows alike. Before the timed repeats at each concurrency every server gets
+`--warmup-runs` untimed runs of the same requests: a speculative server's very
+first request paid 0.5-1.5 s before its first token on a 2-core CPU, against
+0.05-0.13 s for the next ones, a one-off cost that would otherwise weigh on the
+first repeat of a 5-request run. Reported per row and concurrency: output
+tokens/s, mean TPOT and mean TTFT (averaged over repeats), their ratios to no speculation measured
 in the same run, and tau from the server's own spec-decode counters. Every
 server started is stopped on the way out, also when one fails to start.
 
@@ -57,8 +61,10 @@ DEFAULT_ROWS = ["none", "ngram", f"dflash=dflash:{SMOLLM2 / 'dflash-baseline'}",
                 f"carryover=carryover:{SMOLLM2 / 'carryover'}",
                 f"carryover-goodput={json.dumps(GOODPUT)}"]
 SIZES: dict[str, dict[str, Any]] = {
-    "quick": {"num_prompts": 2, "max_tokens": 32, "concurrency": [1, 4], "repeats": 1},
-    "full": {"num_prompts": 10, "max_tokens": 64, "concurrency": [1, 4, 16], "repeats": 2}}
+    "quick": {"num_prompts": 2, "max_tokens": 32, "concurrency": [1, 4], "repeats": 1,
+              "warmup_runs": 0},
+    "full": {"num_prompts": 10, "max_tokens": 64, "concurrency": [1, 4, 16], "repeats": 2,
+             "warmup_runs": 1}}
 WAVES = 3  # requests per run: this many times the concurrency (at least one per category)
 
 
@@ -238,7 +244,8 @@ def plot(result: dict[str, Any], out: Path) -> Path:
 
 
 def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
-                max_tokens: int, concurrency: list[int], repeats: int, k: int = 7,
+                max_tokens: int, concurrency: list[int], repeats: int, warmup_runs: int = 0,
+                k: int = 7,
                 dtype: str | None = None, categories: tuple[str, ...] = CATEGORIES,
                 start_timeout: float = 600.0) -> dict[str, Any]:
     """Start every row's server, bench them interleaved, stop them all, report."""
@@ -256,6 +263,7 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
                  "prompts_per_category": num_prompts, "categories": list(categories),
                  "requests_per_run": {str(c): n for c, n in per_run.items()},
                  "max_tokens": max_tokens, "concurrency": concurrency, "repeats": repeats,
+                 "warmup_runs": warmup_runs,
                  "k": k, "dtype": dtype, "temperature": 0.0, "max_model_len": max_model_len,
                  "kv_cache_memory_bytes": KV_CACHE_BYTES},
         "runs": []}
@@ -278,6 +286,11 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
             print(f"[{row.name}] ready in {time.monotonic() - started:.0f} s at {server.url} "
                   f"({runner} model runner)", flush=True)
         for c in concurrency:
+            for rep, row in ((rep, row) for rep in range(warmup_runs) for row in rows):
+                run = bench_once(servers[row.name], target, prompts, per_run[c], c,
+                                 max_tokens, out / "raw" / f"{row.name}-c{c}-warmup{rep}.json")
+                print(f"[{row.name}] c={c} warm-up {rep + 1}/{warmup_runs} (untimed): "
+                      f"first TTFT {run['ttfts_ms'][0]:.0f} ms", flush=True)
             for rep in range(repeats):
                 order = rows if rep % 2 == 0 else rows[::-1]
                 for row in order:
@@ -321,7 +334,9 @@ def _cmd_serving(a: argparse.Namespace) -> None:
         num_prompts=a.num_prompts or size["num_prompts"],
         max_tokens=a.max_tokens or size["max_tokens"],
         concurrency=a.concurrency or size["concurrency"],
-        repeats=a.repeats or size["repeats"], k=a.k, dtype=a.dtype or default_dtype(),
+        repeats=a.repeats or size["repeats"],
+        warmup_runs=size["warmup_runs"] if a.warmup_runs is None else a.warmup_runs,
+        k=a.k, dtype=a.dtype or default_dtype(),
         categories=tuple(a.categories or CATEGORIES))
     print("\n" + result["summary"])
     print(f"{out}/serving.json\n{out}/{result['plots'][0]}")
@@ -336,4 +351,7 @@ def add_cli(subparsers: Any) -> None:
                    help="requests in flight (default: by size)")
     p.add_argument("--repeats", type=int, metavar="N",
                    help="interleaved passes over the rows per concurrency (default: by size)")
+    p.add_argument("--warmup-runs", type=int, metavar="N",
+                   help="untimed runs per server before the timed ones at each concurrency "
+                   "(default: by size)")
     p.set_defaults(fn=_cmd_serving)

@@ -80,8 +80,8 @@ def test_serving_quick_result_has_ratios_to_no_speculation_and_stops_servers(
     before = vllm_serve_pids()
     benchmarks_main(["serving", "--quick", "--row", "none", "--row", CARRYOVER,
                      "--num-prompts", "1", "--max-tokens", str(MAX_TOKENS),
-                     "--concurrency", "1,4", "--repeats", "2", "-k", str(K),
-                     "--out", str(tmp_path)])
+                     "--concurrency", "1,4", "--repeats", "2", "--warmup-runs", "1",
+                     "-k", str(K), "--out", str(tmp_path)])
     result = json.loads((tmp_path / "serving.json").read_text())
 
     assert vllm_serve_pids() <= before
@@ -90,7 +90,11 @@ def test_serving_quick_result_has_ratios_to_no_speculation_and_stops_servers(
     assert result["args"]["num_prompts"] == len(CATEGORIES)
     assert result["args"]["model_runners"] == {"none": "V1", "carryover": "V1"}
     assert "model runner: none V1, carryover V1" in result["summary"]
-    # every row at every concurrency, each repeat, the second repeat in reverse order
+    # every row at every concurrency, each repeat, the second repeat in reverse order;
+    # the untimed warm-up runs before them are not among the runs
+    assert result["args"]["warmup_runs"] == 1
+    assert sorted(p.name for p in (tmp_path / "raw").glob("*warmup*")) == [
+        f"{row}-c{c}-warmup0.json" for row in ("carryover", "none") for c in (1, 4)]
     order = [(r["concurrency"], r["repeat"], r["row"]) for r in result["runs"]]
     assert order == [(1, 0, "none"), (1, 0, "carryover"), (1, 1, "carryover"),
                      (1, 1, "none"), (4, 0, "none"), (4, 0, "carryover"),
