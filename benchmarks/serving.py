@@ -10,10 +10,10 @@ first request often waited 0.5-1.8 s for its first token on a 2-core CPU, agains
 0.05-0.13 s for the next ones, and would weigh on the first repeat of a 5-request
 run. (After idling while other rows run, a speculative server's first request is
 still slow now and then, 0.4-0.5 s; that cost is measured, as a user would meet it.)
-Reported per row and concurrency: output
-tokens/s, mean TPOT and mean TTFT (averaged over repeats), their ratios to no speculation measured
-in the same run, and tau from the server's own spec-decode counters. Every
-server started is stopped on the way out, also when one fails to start.
+Reported per row and concurrency: output tokens/s, mean TPOT and mean TTFT
+(averaged over repeats), their ratios to no speculation measured in the same
+run, and tau from the server's own spec-decode counters. Every server started
+is stopped on the way out, also when one fails to start.
 
 Writes serving.json, serving.md, serving_throughput.png and the server logs to
 --out.
@@ -247,8 +247,8 @@ def plot(result: dict[str, Any], out: Path) -> Path:
 
 def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
                 max_tokens: int, concurrency: list[int], repeats: int, warmup_runs: int = 0,
-                k: int = 7,
-                dtype: str | None = None, categories: tuple[str, ...] = CATEGORIES,
+                k: int = 7, dtype: str | None = None,
+                categories: tuple[str, ...] = CATEGORIES,
                 start_timeout: float = 600.0) -> dict[str, Any]:
     """Start every row's server, bench them interleaved, stop them all, report."""
     configs = check_rows(rows, k)
@@ -288,11 +288,13 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
             print(f"[{row.name}] ready in {time.monotonic() - started:.0f} s at {server.url} "
                   f"({runner} model runner)", flush=True)
         for c in concurrency:
-            for rep, row in ((rep, row) for rep in range(warmup_runs) for row in rows):
-                run = bench_once(servers[row.name], target, prompts, per_run[c], c,
-                                 max_tokens, out / "raw" / f"{row.name}-c{c}-warmup{rep}.json")
-                print(f"[{row.name}] c={c} warm-up {rep + 1}/{warmup_runs} (untimed): "
-                      f"first TTFT {run['ttfts_ms'][0]:.0f} ms", flush=True)
+            for rep in range(warmup_runs):
+                for row in rows:
+                    run = bench_once(servers[row.name], target, prompts, per_run[c], c,
+                                     max_tokens,
+                                     out / "raw" / f"{row.name}-c{c}-warmup{rep}.json")
+                    print(f"[{row.name}] c={c} warm-up {rep + 1}/{warmup_runs} (untimed): "
+                          f"first TTFT {run['ttfts_ms'][0]:.0f} ms", flush=True)
             for rep in range(repeats):
                 order = rows if rep % 2 == 0 else rows[::-1]
                 for row in order:

@@ -185,8 +185,8 @@ class GoodputK:
         neighbouring K (one less and one more in turn, inside 0..k_max); k_max and 0
         in turn while warming up (no cost fit yet, or too few drafted requests)."""
         if self.coef is None or self.drafted_requests < MIN_WARM_UP_REQUESTS:
-            drafts, self._warm_up_drafts_next = (self._warm_up_drafts_next,
-                                                 not self._warm_up_drafts_next)
+            drafts = self._warm_up_drafts_next
+            self._warm_up_drafts_next = not drafts
             return self.k_max if drafts else 0
         best = self.best_k(batch)
         if best != self._last_best:  # a new choice: look around it closely again
