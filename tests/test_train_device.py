@@ -2,7 +2,8 @@
 
 Online target states (the target inside the training loop) must be the tensors
 the state cache holds for the same sequences, and short runs on the default
-device must train: online, and under bfloat16 autocast. The CUDA and NCCL paths
+device must train: online, under bfloat16 autocast, and distilling the target's
+own distribution (`--distill`). The CUDA and NCCL paths
 need a GPU; here only their device and dtype rules are checked.
 """
 
@@ -20,6 +21,7 @@ from tiny_models import make_tiny_drafter, make_tiny_target
 from vllm_carryover.train import baseline, target_states
 from vllm_carryover.train.baseline import Sequence, sequence_feed
 from vllm_carryover.train.device import placement, resolve_device
+from vllm_carryover.train.dflash_loss import IGNORE, block_teacher_logits, weighted_block_ce
 from vllm_carryover.train.main import main
 from vllm_carryover.train.paths import run_dir
 
@@ -80,6 +82,52 @@ def test_online_states_are_the_cached_tensors(tmp_path: Path,
         torch.testing.assert_close(online, in_batch, rtol=2 ** -7, atol=scale)
 
 
+def test_distill_teacher_is_the_targets_next_token_distribution(tmp_path: Path) -> None:
+    """The whole decoder gives the truncated one's aux states and a final state whose
+    product with the LM head is the target's logits; block slot j at anchor a is taught
+    by the target's logits at a + j - 1, the position that predicts the slot's token."""
+    from transformers import AutoModelForCausalLM
+
+    target = str(make_tiny_target(tmp_path / "target"))
+    tokens = torch.randint(1, 512, (20,), generator=torch.Generator().manual_seed(0))
+    truncated = target_states.truncated_decoder(target, max(LAYERS))
+    aux, final = target_states.states_and_final(target_states.truncated_decoder(target, None),
+                                                tokens.tolist(), LAYERS)
+    assert torch.equal(aux, target_states.stored_states(truncated, [tokens.tolist()], LAYERS)[0])
+    lm = AutoModelForCausalLM.from_pretrained(target).eval()
+    with torch.no_grad():
+        want = lm(tokens[None]).logits[0]
+    head = lm.lm_head.weight.detach()
+    anchors = torch.tensor([3, 10, 18])
+    taught = block_teacher_logits(final, anchors, 3, head)
+    torch.testing.assert_close(taught[1, 2], final[12].float() @ head.T)
+    torch.testing.assert_close(taught[1], want[10:13], rtol=0.02, atol=0.02)  # bf16 state
+    torch.testing.assert_close(taught[2, 2], taught[2, 1])  # past the end: clamped
+
+
+def test_distill_one_with_a_certain_teacher_is_the_label_loss() -> None:
+    """--distill 1 replaces the labels by the teacher's distribution: a teacher sure of
+    the label gives the labels' loss; a teacher unsure of it gives a larger one."""
+    gen = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(5, 3, 40, generator=gen), torch.randint(40, (5, 3), generator=gen)
+    labels[4, 2] = IGNORE
+    slots = torch.tensor([1.0, 0.5, 0.25])
+    sure = 1e4 * torch.nn.functional.one_hot(labels.clamp(min=0), 40).float()
+    hard = weighted_block_ce(logits, labels, slots)[0]
+    torch.testing.assert_close(weighted_block_ce(logits, labels, slots, None, sure, 1.0)[0], hard)
+    unsure = torch.zeros(5, 3, 40)
+    assert weighted_block_ce(logits, labels, slots, None, unsure, 1.0)[0] > hard
+    assert torch.equal(weighted_block_ce(logits, labels, slots, None, unsure, 0.0)[0], hard)
+
+
+def test_distill_refuses_cached_target_states(tiny_setup: dict[str, Path],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(tiny_setup["cache"]))
+    with pytest.raises(SystemExit, match="drop --target-states cached"):
+        main(recipe_argv("baseline", tiny_setup, "distill-cached", "--distill", "1",
+                         "--target-states", "cached"))
+
+
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("train_device")
@@ -95,12 +143,13 @@ def tiny_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ("baseline", ["--target-states", "online"]),
     ("baseline", ["--dtype", "bfloat16"]),
     ("carryover", ["--target-states", "online", "--dtype", "bfloat16"]),
-], ids=["baseline-online", "baseline-bf16", "carryover-online-bf16"])
+    ("baseline", ["--distill", "0.5"]),
+], ids=["baseline-online", "baseline-bf16", "carryover-online-bf16", "baseline-distill"])
 def test_short_run_on_the_default_device_trains(tiny_setup: dict[str, Path],
                                                 monkeypatch: pytest.MonkeyPatch,
                                                 recipe: str, extra: list[str]) -> None:
     monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(tiny_setup["cache"]))
-    if "online" in extra:  # the state cache is never read
+    if "online" in extra or "--distill" in extra:  # the state cache is never read
 
         def no_cache(*args: Any) -> None:
             raise AssertionError("online training read the state cache")

@@ -21,6 +21,7 @@ from vllm_carryover.train.dflash_loss import (
     IGNORE,
     BlockStats,
     WalkStats,
+    block_teacher_logits,
     sample_anchors,
     slot_weights,
     visit_weights,
@@ -33,6 +34,7 @@ from vllm_carryover.train.paths import data_dir
 from vllm_carryover.train.target_states import (
     dataset_states,
     resolve_mode,
+    states_and_final,
     stored_states,
     truncated_decoder,
 )
@@ -77,11 +79,17 @@ def load_sequences(target: str, data: str, layer_ids: list[int], cached: bool = 
     return out
 
 
-def sequence_feed(place: Placement, layer_ids: list[int], decoder: Any = None) -> Feed:
+def sequence_feed(place: Placement, layer_ids: list[int], decoder: Any = None,
+                  final: bool = False) -> Feed:
     """Sequences moved to the device with their aux states: the cached ones, or, given
     the target's truncated `decoder`, the states computed now (`--target-states online`)
-    by the function that fills the cache."""
+    by the function that fills the cache. `final`: `decoder` is the whole one, and each
+    sequence also gets the target's final state (`--distill`)."""
     def feed(seq: Sequence) -> Sequence:
+        if final:
+            aux, last = states_and_final(decoder, seq.tokens.tolist(), layer_ids)
+            return replace(seq, tokens=seq.tokens.to(place.device), aux=aux.to(place.device),
+                           final=last.to(place.device))
         aux = seq.aux if decoder is None else stored_states(
             decoder, [seq.tokens.tolist()], layer_ids)[0]
         return replace(seq, tokens=seq.tokens.to(place.device), aux=aux.to(place.device))
@@ -103,10 +111,13 @@ def computed_once(feed: Feed) -> Feed:
     return fed
 
 
-def target_decoder(a: TrainArgs, place: Placement, layer_ids: list[int]) -> Any:
-    """The target's decoder up to the last drafter layer, frozen, in the training dtype on
-    the training device (both as `device.placement` resolved them)."""
-    decoder = truncated_decoder(a.target, max(layer_ids), place.dtype, place.device)
+def target_decoder(a: TrainArgs, place: Placement, layer_ids: list[int],
+                   whole: bool = False) -> Any:
+    """The target's decoder up to the last drafter layer (`whole`: all of it, with its final
+    norm), frozen, in the training dtype on the training device (both as
+    `device.placement` resolved them)."""
+    last = None if whole else max(layer_ids)
+    decoder = truncated_decoder(a.target, last, place.dtype, place.device)
     for p in decoder.parameters():
         p.requires_grad_(False)
     return decoder
@@ -249,12 +260,17 @@ def train_baseline(a: BaselineArgs) -> Path:
     opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01)
 
     layer_ids = list(dcfg.target_layer_ids)
-    online = resolve_mode(a.target_states, data_dir(a.data),
-                          len(layer_ids) * dcfg.target_hidden_size) == "online"
+    if a.distill and a.target_states == "cached":
+        raise SystemExit("--distill runs the whole target on every training sequence (its "
+                         "next-token distribution is the teacher), so its states come "
+                         "online: drop --target-states cached")
+    # the teacher needs the whole target anyway, so a cache would save nothing
+    online = bool(a.distill) or resolve_mode(
+        a.target_states, data_dir(a.data), len(layer_ids) * dcfg.target_hidden_size) == "online"
     with rank0_first():  # rank 0 fills the target-state cache, the others read it
         seqs = load_sequences(a.target, a.data, layer_ids, cached=not online)
-    decoder = target_decoder(a, place, layer_ids) if online else None
-    feed = sequence_feed(place, layer_ids, decoder)
+    decoder = target_decoder(a, place, layer_ids, whole=bool(a.distill)) if online else None
+    feed = sequence_feed(place, layer_ids, decoder, final=bool(a.distill))
     heldout_feed = computed_once(feed) if online else feed
     train, heldout = seqs["train"], seqs["heldout"]
     weights = slot_weights(dcfg.block_size - 1, a.gamma)
@@ -264,12 +280,14 @@ def train_baseline(a: BaselineArgs) -> Path:
     def seq_loss(seq: Sequence, anchors: torch.Tensor, ids: torch.Tensor | None) -> SeqResult:
         with restricted_head(model, ids):
             logits, labels = block_logits(model, seq, anchors)
+            teacher = None if seq.final is None else block_teacher_logits(
+                seq.final, anchors, labels.shape[1], model.lm_head)
         if ids is not None:
             labels = remap_labels(labels, ids, dcfg.vocab_size)
         visited = None if a.unvisited_weight == 1.0 else visit_weights(
             logits.detach().argmax(-1), labels, anchors, seq.response_start,
             a.unvisited_weight)
-        loss, _ = weighted_block_ce(logits, labels, weights, visited)
+        loss, _ = weighted_block_ce(logits, labels, weights, visited, teacher, a.distill)
         return SeqResult(loss, counts={"trained_label_tokens": int((labels != IGNORE).sum())})
 
     def heldout_eval() -> dict[str, Any]:

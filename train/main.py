@@ -104,6 +104,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
                    "positions after rejections more often than uniform anchors do; W < 1 "
                    "trains toward them. Needs most of each response's anchors "
                    "(--anchors-per-seq) to follow the walk (default: %(default)s)")
+    b.add_argument("--distill", type=float, default=BaselineArgs.distill, metavar="W",
+                   help="self-distillation: each draft slot's loss is (1 - W) x the cross "
+                   "entropy of the target's token + W x the cross entropy against the "
+                   "target's whole next-token distribution there (its logits over the "
+                   "step's softmax tokens), which also says how close the runners-up "
+                   "were. Runs the whole target online (default: %(default)s, labels only)")
     b.set_defaults(fn=cmd_baseline)
 
     c = sub.add_parser(

@@ -63,6 +63,7 @@ class BaselineArgs(TrainArgs):
     init_run: str = ""
     draft_vocab: int = 0
     unvisited_weight: float = 1.0
+    distill: float = 0.0
 
 
 @dataclass

@@ -33,14 +33,19 @@ def aux_states(model: Any, batch: list[list[int]], layer_ids: list[int],
     layer in `layer_ids`. Sequences are right-padded, which causal attention never
     lets earlier (real) positions see.
     """
+    out = _decoded(model, batch, pad_id)
+    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    return [feats[b, : len(s)] for b, s in enumerate(batch)]
+
+
+def _decoded(model: Any, batch: list[list[int]], pad_id: int) -> Any:
+    """The decoder's output for a right-padded batch, every layer's state included."""
     device = next(model.parameters()).device
     longest = max(len(s) for s in batch)
     ids = torch.tensor([s + [pad_id] * (longest - len(s)) for s in batch], device=device)
     # in the model's own dtype, also inside a training step's autocast
     with torch.inference_mode(), torch.autocast(device.type, enabled=False):
-        out = model(ids, output_hidden_states=True, use_cache=False)
-    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
-    return [feats[b, : len(s)] for b, s in enumerate(batch)]
+        return model(ids, output_hidden_states=True, use_cache=False)
 
 
 def stored_states(model: Any, batch: list[list[int]], layer_ids: list[int]
@@ -50,17 +55,32 @@ def stored_states(model: Any, batch: list[list[int]], layer_ids: list[int]
     return [st.to(torch.bfloat16).clone() for st in aux_states(model, batch, layer_ids)]
 
 
-def truncated_decoder(target: str, last_layer: int, dtype: torch.dtype = torch.float32,
+def states_and_final(model: Any, tokens: list[int], layer_ids: list[int]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux states as `stored_states` gives them, the final normed state [T, H] in bf16) of
+    one sequence, from the whole decoder (`truncated_decoder(target, None)`): the final
+    state times the target's LM head is the target's own next-token distribution, the
+    teacher of `train baseline --distill`."""
+    out = _decoded(model, [tokens], 0)
+    aux = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)[0]
+    with torch.inference_mode():
+        final = model.final_norm(out.hidden_states[-1][0])
+    return aux.to(torch.bfloat16).clone(), final.to(torch.bfloat16).clone()
+
+
+def truncated_decoder(target: str, last_layer: int | None, dtype: torch.dtype = torch.float32,
                       device: torch.device | str = "cpu") -> Any:
     """The target's decoder stack on `device`, without the LM head and the layers after
-    `last_layer` (their outputs are never drafter features)."""
+    `last_layer` (their outputs are never drafter features; None: keep them all). Its
+    final norm is set aside as `final_norm` (`states_and_final`), so that every returned
+    state is a layer's own output, the last one included."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
-    decoder = model.model
-    decoder.layers = decoder.layers[: last_layer + 1]
-    decoder.config.num_hidden_layers = last_layer + 1
-    decoder.norm = torch.nn.Identity()  # the last returned state is the normed output
+    decoder = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).model
+    if last_layer is not None:
+        decoder.layers = decoder.layers[: last_layer + 1]
+        decoder.config.num_hidden_layers = last_layer + 1
+    decoder.final_norm, decoder.norm = decoder.norm, torch.nn.Identity()
     return decoder.to(device).eval()
 
 

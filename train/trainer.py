@@ -57,6 +57,7 @@ class Sequence:
     response_start: int
     aux: torch.Tensor | None  # [T, n_layers * H] bf16; None until computed (online states)
     category: str = ""  # the prompt's category (chat, code, ...), where the data has one
+    final: torch.Tensor | None = None  # [T, H] bf16: the target's last normed state (--distill)
 
 
 @dataclass
