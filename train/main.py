@@ -1,4 +1,4 @@
-"""`python -m train {data,baseline,carryover,export,draft-vocab,eval,headroom}`."""
+"""`python -m train {data,baseline,carryover,export,draft-vocab,eval,headroom,lookup-headroom}`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_carryover.train import data, headroom, vllm_eval
+from vllm_carryover.train import data, headroom, lookup_headroom, vllm_eval
 from vllm_carryover.train.options import BaselineArgs, CarryoverArgs, add_train_options, args_from
 from vllm_carryover.train.paths import DEFAULT_DATA, default_target
 
@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
 
     vllm_eval.add_cli(sub)
     headroom.add_cli(sub)
+    lookup_headroom.add_cli(sub)
 
     a = p.parse_args(argv)
     a.fn(a)

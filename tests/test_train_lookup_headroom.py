@@ -1,0 +1,62 @@
+"""`python -m train lookup-headroom` on a tiny Llama: prompt lookup proposes what followed
+the text's end earlier, and on responses that repeat their prompt the lookup's walks
+accept long runs where a random drafter accepts next to nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import make_tiny_drafter, make_tiny_target
+from vllm_carryover.train.data import write_dataset
+from vllm_carryover.train.lookup_headroom import NO_DRAFT, lookup_drafts
+from vllm_carryover.train.main import main
+from vllm_carryover.train.paths import data_dir
+
+VOCAB = 64
+DATA = "tiny-lookup"
+
+
+def test_lookup_proposes_what_followed_the_earlier_occurrence() -> None:
+    tokens = torch.tensor([5, 6, 7, 8, 9, 1, 2, 5, 6, 7, 8, 3])
+    drafts, proposed = lookup_drafts(tokens, start=7, num_drafts=3)
+    # anchor 7 ends in "2 5": no earlier "2 5"; anchor 8 ends in "5 6", anchor 9 in "5 6 7"
+    assert proposed.tolist() == [False, True, True, True]
+    assert drafts[0].tolist() == [NO_DRAFT] * 3
+    assert drafts[1].tolist() == [7, 8, 9]
+    assert drafts[2].tolist() == [8, 9, 1]
+    _, never = lookup_drafts(torch.arange(1, 12), start=2, num_drafts=3)
+    assert not never.any()  # no repeats, no proposals
+
+
+def test_lookup_headroom_walks_long_runs_on_repeated_text(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    target = make_tiny_target(tmp_path / "target", vocab=VOCAB)
+    drafter = make_tiny_drafter(target, tmp_path / "drafter", block_size=4)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(4):
+        prompt = torch.randperm(VOCAB - 1, generator=gen)[:12].add(1).tolist()
+        rows.append({"id": f"r{i}", "group": f"g{i}", "category": ("chat", "code")[i % 2],
+                     "messages": [], "prompt_ids": prompt, "response_ids": prompt * 2,
+                     "response": "", "split": "heldout"})
+    monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(tmp_path / "cache"))
+    write_dataset(data_dir(DATA), rows, {"target": str(target)})
+    out = tmp_path / "lookup.json"
+    main(["lookup-headroom", "--target", str(target), "--init", str(drafter),
+          "--data", DATA, "--threads", "1", "--out", str(out)])
+    table = json.loads(out.read_text())
+    assert "| all |" in capsys.readouterr().out
+    assert set(table) == {"all", "chat", "code"}
+    for row in table.values():
+        assert all(1.0 <= row[p] <= 4 for p in ("drafter", "lookup", "both"))
+        assert 0.0 <= row["lookup_share"] <= 1.0
+    everything = table["all"]
+    # a response's first step has nothing to look up (its last prompt token and first
+    # response token never stood together before); every later one copies 3 right drafts
+    assert everything["lookup"] > 3.0 and everything["both"] > 3.0
+    assert everything["drafter"] < 1.5
+    assert everything["lookup_share"] > 0.7

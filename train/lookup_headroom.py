@@ -1,0 +1,139 @@
+"""What prompt lookup and the drafter could do together, measured before building it.
+
+vLLM's n-gram proposer (prompt lookup) finds the longest earlier occurrence (2 to 4
+tokens by default) of the text's last tokens and proposes the K tokens that followed
+it: where a response repeats its prompt or itself (code, translation, quoted text) it
+drafts long runs that are right, elsewhere it proposes nothing. The drafter drafts
+everywhere, short runs. On the held-out split, at every response position, this takes
+the drafter's greedy block and the lookup's proposal, and walks each response as a
+greedy speculative run does (`WalkStats`) under three policies:
+
+  drafter  the drafter's block at every step
+  lookup   the lookup's proposal; where it has none, a step that drafts nothing
+  both     the lookup's proposal where it has one, the drafter's block elsewhere
+
+Reported per category (and "all"): each policy's tau (tokens per step), and the share
+of the `both` walk's steps that used the lookup. Target states and drafts are computed
+in the machine's fastest dtype (bf16 where native), as training's held-out estimate is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vllm_carryover.train.paths import DEFAULT_DATA
+
+if TYPE_CHECKING:
+    import torch
+
+POLICIES = ("drafter", "lookup", "both")
+NO_DRAFT = -1  # a draft id no label equals
+
+
+def lookup_drafts(tokens: torch.Tensor, start: int, num_drafts: int, min_n: int = 2,
+                  max_n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(drafts [A, K] padded with NO_DRAFT, proposed [A] bool) of vLLM's prompt lookup for
+    the blocks anchored at positions start .. T - 2 of `tokens` [T] (the anchor's token
+    is the last one it sees)."""
+    import numpy as np
+    import torch
+
+    # vLLM's own matcher, so that these are the proposals its n-gram row makes
+    from vllm.v1.spec_decode.ngram_proposer import (
+        _find_longest_matched_ngram_and_propose_tokens as propose,
+    )
+
+    ids = tokens.cpu().numpy().astype(np.int32)
+    positions = range(start, len(ids) - 1)
+    drafts = torch.full((len(positions), num_drafts), NO_DRAFT, dtype=torch.long)
+    for row, p in enumerate(positions):
+        found = propose(ids[: p + 1], min_n, max_n, 1 << 30, num_drafts)
+        drafts[row, : len(found)] = torch.from_numpy(found.astype(np.int64))
+    return drafts, (drafts != NO_DRAFT).any(-1)
+
+
+def lookup_headroom(target: str, init: str, data: str, chunk: int = 64
+                    ) -> dict[str, dict[str, float]]:
+    """Per category (and "all"): each policy's walked tau and the lookup's share of the
+    `both` walk's steps."""
+    import torch
+    from tqdm import tqdm
+    from vllm_carryover.train.baseline import load_sequences, sequence_feed
+    from vllm_carryover.train.device import placement
+    from vllm_carryover.train.dflash_loss import IGNORE, WalkStats, accepted_length, walk_visits
+    from vllm_carryover.train.draft_verify_draft import block_logits_over, context_kv
+    from vllm_carryover.train.headroom import load_drafter
+    from vllm_carryover.train.target_states import truncated_decoder
+
+    place = placement()  # the machine's fastest dtype, as training evaluates
+    drafter = load_drafter(target, init).to(place.device)
+    k = drafter.config.block_size - 1
+    layer_ids = list(drafter.config.target_layer_ids)
+    feed = sequence_feed(place, layer_ids, truncated_decoder(
+        target, max(layer_ids), place.dtype, place.device))
+    seqs = load_sequences(target, data, layer_ids, cached=False)["heldout"]
+    walks: dict[str, dict[str, WalkStats]] = defaultdict(
+        lambda: {p: WalkStats() for p in POLICIES})
+    lookup_steps: dict[str, int] = defaultdict(int)
+    with torch.no_grad(), place.autocast():
+        for seq in tqdm(seqs, desc="lookup headroom", unit="seq"):
+            start, t = seq.response_start, seq.tokens.shape[0]
+            if t - 1 <= start:
+                continue
+            seq = feed(seq)
+            ctx_k, ctx_v = context_kv(drafter, seq.aux)
+            drafted, labels = [], []
+            for part in torch.arange(start, t - 1).split(chunk):
+                logits, blocks = block_logits_over(drafter, ctx_k, ctx_v, seq.tokens, part)
+                drafted.append(drafter.draft_tokens(logits, blocks.query_ids[:, 0]))
+                labels.append(blocks.labels)
+            model, label = torch.cat(drafted), torch.cat(labels)
+            looked, proposed = lookup_drafts(seq.tokens, start, k)
+            by_policy = {"drafter": model, "lookup": looked,
+                         "both": torch.where(proposed[:, None], looked, model)}
+            for name in ("all", seq.category) if seq.category else ("all",):
+                for policy, drafts in by_policy.items():
+                    walks[name][policy].add(drafts, label)
+            # the steps of the `both` walk that used the lookup (WalkStats' own walk)
+            full = int((label != IGNORE).all(-1).int().cumprod(0).sum())
+            visits = walk_visits(torch.arange(full),
+                                 accepted_length(by_policy["both"], label)[:full], 0)
+            for name in ("all", seq.category) if seq.category else ("all",):
+                lookup_steps[name] += int((visits & proposed[:full]).sum())
+    return {name: {**{p: round(w[p].tau(), 4) for p in POLICIES},
+                   "both_steps": w["both"].rounds,
+                   "lookup_share": round(lookup_steps[name] / max(w["both"].rounds, 1), 4)}
+            for name, w in walks.items()}
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "lookup-headroom", help="what prompt lookup and the drafter could do together",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", help="target model folder (default: the testbed SmolLM2 folder)")
+    p.add_argument("--init", required=True,
+                   help="drafter folder, or a run name in the cache (its final.pt)")
+    p.add_argument("--data", default=DEFAULT_DATA,
+                   help="dataset name in the cache (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads (default: %(default)s)")
+    p.add_argument("--out", help="also write the table as JSON here")
+    p.set_defaults(fn=_run)
+
+
+def _run(a: argparse.Namespace) -> None:
+    import torch
+    from vllm_carryover.train.paths import default_target
+
+    torch.set_num_threads(a.threads)
+    table: dict[str, Any] = lookup_headroom(a.target or default_target(), a.init, a.data)
+    columns = [*POLICIES, "both_steps", "lookup_share"]
+    print("| category | " + " | ".join(columns) + " |")
+    print("|" + " --- |" * (len(columns) + 1))
+    for name in sorted(table, key=lambda n: (n == "all", n)):
+        print(f"| {name} | " + " | ".join(str(table[name][c]) for c in columns) + " |")
+    if a.out:
+        Path(a.out).write_text(json.dumps(table, indent=1))
