@@ -145,16 +145,32 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "headroom", help="what the rejected states could add, before carryover training",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_drafter_options(p)
+    p.add_argument("--anchors-per-seq", type=int, default=16,
+                   help="anchors per held-out sequence (default: %(default)s)")
+    p.set_defaults(fn=_run)
+
+
+def add_drafter_options(p: argparse.ArgumentParser) -> None:
+    """The options of a held-out analysis of one drafter (this one and `lookup-headroom`)."""
     p.add_argument("--target", help="target model folder (default: the testbed SmolLM2 folder)")
     p.add_argument("--init", required=True,
                    help="drafter folder, or a run name in the cache (its final.pt)")
     p.add_argument("--data", default=DEFAULT_DATA,
                    help="dataset name in the cache (default: %(default)s)")
-    p.add_argument("--anchors-per-seq", type=int, default=16,
-                   help="anchors per held-out sequence (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads (default: %(default)s)")
     p.add_argument("--out", help="also write the table as JSON here")
-    p.set_defaults(fn=_run)
+
+
+def print_table(table: dict[str, dict[str, Any]], columns: list[str] | tuple[str, ...],
+                out: str | None) -> None:
+    """A per-category table as markdown, "all" last; also as JSON to `out` when given."""
+    print("| category | " + " | ".join(columns) + " |")
+    print("|" + " --- |" * (len(columns) + 1))
+    for name in sorted(table, key=lambda n: (n == "all", n)):
+        print(f"| {name} | " + " | ".join(str(table[name][c]) for c in columns) + " |")
+    if out:
+        Path(out).write_text(json.dumps(table, indent=1))
 
 
 def _run(a: argparse.Namespace) -> None:
@@ -162,12 +178,5 @@ def _run(a: argparse.Namespace) -> None:
     from vllm_carryover.train.paths import default_target
 
     torch.set_num_threads(a.threads)
-    table = headroom(a.target or default_target(), a.init, a.data, a.anchors_per_seq)
-    order = sorted(table, key=lambda n: (n == "all", n))
-    print("| category | " + " | ".join(COLUMNS) + " |")
-    print("|" + " --- |" * (len(COLUMNS) + 1))
-    for name in order:
-        row = table[name]
-        print(f"| {name} | " + " | ".join(str(row[c]) for c in COLUMNS) + " |")
-    if a.out:
-        Path(a.out).write_text(json.dumps(table, indent=1))
+    print_table(headroom(a.target or default_target(), a.init, a.data, a.anchors_per_seq),
+                COLUMNS, a.out)

@@ -20,12 +20,10 @@ in the machine's fastest dtype (bf16 where native), as training's held-out estim
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from vllm_carryover.train.paths import DEFAULT_DATA
+from vllm_carryover.train.headroom import add_drafter_options, load_drafter, print_table
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +64,6 @@ def lookup_headroom(target: str, init: str, data: str, chunk: int = 64
     from vllm_carryover.train.device import placement
     from vllm_carryover.train.dflash_loss import IGNORE, WalkStats, accepted_length, walk_visits
     from vllm_carryover.train.draft_verify_draft import block_logits_over, context_kv
-    from vllm_carryover.train.headroom import load_drafter
     from vllm_carryover.train.target_states import truncated_decoder
 
     place = placement()  # the machine's fastest dtype, as training evaluates
@@ -114,13 +111,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "lookup-headroom", help="what prompt lookup and the drafter could do together",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", help="target model folder (default: the testbed SmolLM2 folder)")
-    p.add_argument("--init", required=True,
-                   help="drafter folder, or a run name in the cache (its final.pt)")
-    p.add_argument("--data", default=DEFAULT_DATA,
-                   help="dataset name in the cache (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads (default: %(default)s)")
-    p.add_argument("--out", help="also write the table as JSON here")
+    add_drafter_options(p)
     p.set_defaults(fn=_run)
 
 
@@ -129,11 +120,5 @@ def _run(a: argparse.Namespace) -> None:
     from vllm_carryover.train.paths import default_target
 
     torch.set_num_threads(a.threads)
-    table: dict[str, Any] = lookup_headroom(a.target or default_target(), a.init, a.data)
-    columns = [*POLICIES, "both_steps", "lookup_share"]
-    print("| category | " + " | ".join(columns) + " |")
-    print("|" + " --- |" * (len(columns) + 1))
-    for name in sorted(table, key=lambda n: (n == "all", n)):
-        print(f"| {name} | " + " | ".join(str(table[name][c]) for c in columns) + " |")
-    if a.out:
-        Path(a.out).write_text(json.dumps(table, indent=1))
+    print_table(lookup_headroom(a.target or default_target(), a.init, a.data),
+                [*POLICIES, "both_steps", "lookup_share"], a.out)
