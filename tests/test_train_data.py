@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from vllm_carryover.train import dataset_store as store
-from vllm_carryover.train.data import load_samples
+from vllm_carryover.train.answerer import Answerer
+from vllm_carryover.train.data import ShardFeed, load_samples
 from vllm_carryover.train.prompts import (
     CATEGORIES,
     EVAL_BOOKS,
@@ -117,6 +118,28 @@ def test_a_half_written_shard_counts_as_missing(tmp_path: Path) -> None:
     store.write_dataset(tmp_path, rows_with(100), {"target": "t"})
     (tmp_path / store.RESPONSES / "shard-00001.tmp").write_bytes(b"cut off by a kill")
     assert store.done_shards(tmp_path) == [0]
+
+
+def test_an_engine_is_waited_on_only_while_it_holds_a_shard() -> None:
+    """The interleaving that once hung data generation: the queue empties at B's
+    refill, then A answers both its shards while B still holds two. A must not be
+    waited on again (its engine would step an empty batch forever); B must."""
+    feed = ShardFeed(list(range(5)))
+    assert [feed.next_for("A"), feed.next_for("A"), feed.next_for("B"), feed.next_for("B")] \
+        == [0, 1, 2, 3]
+    feed.answered("B")
+    assert feed.next_for("B") == 4 and feed.next_for("B") is None
+    feed.answered("A")
+    assert feed.in_flight("A") == 1
+    feed.answered("A")
+    assert feed.in_flight("A") == 0 and feed.in_flight("B") == 2
+
+
+def test_an_answerer_with_nothing_queued_says_so_instead_of_waiting() -> None:
+    answerer = Answerer.__new__(Answerer)  # no engine needed: it must not be reached
+    answerer.pending = {}
+    with pytest.raises(RuntimeError, match="no shard queued"):
+        answerer.next_done()
 
 
 def test_split_even_keeps_order_and_sizes() -> None:

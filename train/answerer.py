@@ -43,6 +43,8 @@ class Answerer:
 
     def next_done(self) -> tuple[int, list[list[int]], dict[str, float]]:
         """Step the engine until a queued shard is complete; return it with its stats."""
+        if not self.pending:
+            raise RuntimeError("next_done with no shard queued would wait forever; add one first")
         engine = self.llm.llm_engine
         start, out_tokens = time.perf_counter(), 0
         while True:

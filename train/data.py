@@ -79,11 +79,11 @@ def answer(folder: Path, target: str, *, max_tokens: int, shard_size: int,
             actor = ray.remote(num_cpus=cpus_per_worker)(Answerer)
             pool = [actor.remote(engine, max_tokens, temperature=temperature)
                     for _ in range(min(workers, len(todo)))]
-            queue = list(todo)
+            shards = ShardFeed(todo)
 
             def feed(a: Any) -> None:
-                if queue:
-                    i = queue.pop(0)
+                i = shards.next_for(a)
+                if i is not None:
                     a.add.remote(i, table.ids[slice(*ranges[i])])
 
             for a in pool:  # two shards in flight per engine: the batch never drains
@@ -95,6 +95,7 @@ def answer(folder: Path, target: str, *, max_tokens: int, shard_size: int,
                 ref, _ = ray.wait(list(waiting), num_returns=1)
                 a = waiting.pop(ref[0])
                 index, responses, stats = ray.get(ref[0])
+                shards.answered(a)
                 store.save_shard(folder, index, responses)
                 done += 1
                 tokens += stats["output_tokens"]
@@ -106,9 +107,36 @@ def answer(folder: Path, target: str, *, max_tokens: int, shard_size: int,
                       "(engine start included)", flush=True)
                 store.write_manifest(folder, meta)
                 feed(a)
-                if done + len(waiting) < len(todo):
+                if shards.in_flight(a):
                     waiting[a.next_done.remote()] = a
     return store.write_manifest(folder, meta)
+
+
+class ShardFeed:
+    """Which shard each engine answers next, and how many it holds unanswered.
+
+    The driver may wait on an engine only while it holds a shard: an engine
+    asked for its next answer with nothing queued would step an empty batch
+    forever. Counting per engine (not shards left overall) matters at the end,
+    when one engine has drained while another still holds two shards.
+    """
+
+    def __init__(self, todo: list[int]) -> None:
+        self.queue = list(todo)
+        self.held: dict[Any, int] = {}
+
+    def next_for(self, engine: Any) -> int | None:
+        """The next unassigned shard, now held by `engine`; None when all are assigned."""
+        if not self.queue:
+            return None
+        self.held[engine] = self.held.get(engine, 0) + 1
+        return self.queue.pop(0)
+
+    def answered(self, engine: Any) -> None:
+        self.held[engine] -= 1
+
+    def in_flight(self, engine: Any) -> int:
+        return self.held.get(engine, 0)
 
 
 def sampling_name(temperature: float) -> str:
