@@ -138,6 +138,9 @@ class BadInput:
     vllm_only: bool = False
 
 
+LOOKUP_OFF = {"prompt_lookup": False, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+              "prompt_lookup_drafter_k": None}
+
 BAD_INPUTS: dict[str, BadInput] = {
     # the speculative config itself
     "malformed_json": BadInput(("argument --speculative-config/-sc: Value {",),
@@ -166,6 +169,19 @@ BAD_INPUTS: dict[str, BadInput] = {
     "k_schedule_unknown_word": BadInput(("'num_speculative_tokens_per_batch_size' must be "
                                          "\"goodput\" or a list", "got 'auto'"),
                                         spec={"num_speculative_tokens_per_batch_size": "auto"}),
+    "prompt_lookup_not_bool": BadInput(("'prompt_lookup' must be true or false, got 1",),
+                                       spec={"prompt_lookup": 1}),
+    "prompt_lookup_n_zero": BadInput(("'prompt_lookup_max' must be an integer of at least 1, "
+                                      "got 0",), spec={"prompt_lookup_max": 0}),
+    "prompt_lookup_min_above_max": BadInput(
+        ("'prompt_lookup_min' (5) is above 'prompt_lookup_max' (4); make the shortest",),
+        spec={"prompt_lookup": True, "prompt_lookup_min": 5}),
+    "prompt_lookup_drafter_k_above_k": BadInput(
+        ("'prompt_lookup_drafter_k' (5) is above num_speculative_tokens (4); use 0..4",),
+        spec={"prompt_lookup": True, "prompt_lookup_drafter_k": 5}),
+    "prompt_lookup_drafter_k_negative": BadInput(
+        ("'prompt_lookup_drafter_k' must be an integer of at least 0, got -1",),
+        spec={"prompt_lookup_drafter_k": -1}),
     "unpadded_drafter_batch": BadInput(("needs vLLM's padded drafter batch",
                                         "remove 'disable_padded_drafter_batch'"),
                                        spec={"disable_padded_drafter_batch": True}),
@@ -307,15 +323,15 @@ def test_valid_config_becomes_dflash_with_carryover_enabled(smollm2, random_draf
     spec = config.speculative_config
     assert spec.method == "dflash"
     assert spec.num_speculative_tokens == 4
-    assert spec.draft_model_config.hf_config.carryover_runtime == {"enabled": True,
-                                                                    "goodput_k": False}
+    assert spec.draft_model_config.hf_config.carryover_runtime == {
+        "enabled": True, "goodput_k": False, **LOOKUP_OFF}
 
 
 def test_carryover_false_keeps_dflash_with_carryover_disabled(smollm2, random_drafter):
     config = engine_config(smollm2, carryover(random_drafter, carryover=False))
     assert config.speculative_config.method == "dflash"
     assert config.speculative_config.draft_model_config.hf_config.carryover_runtime == {
-        "enabled": False, "goodput_k": False}
+        "enabled": False, "goodput_k": False, **LOOKUP_OFF}
 
 
 def test_goodput_k_turns_on_vllms_dynamic_k_and_tells_the_scheduler(smollm2, random_drafter):
@@ -323,8 +339,16 @@ def test_goodput_k_turns_on_vllms_dynamic_k_and_tells_the_scheduler(smollm2, ran
                                               num_speculative_tokens_per_batch_size="goodput"))
     spec = config.speculative_config
     assert spec.num_speculative_tokens_per_batch_size == [(1, 1, 4)]
-    assert spec.draft_model_config.hf_config.carryover_runtime == {"enabled": True,
-                                                                   "goodput_k": True}
+    assert spec.draft_model_config.hf_config.carryover_runtime == {
+        "enabled": True, "goodput_k": True, **LOOKUP_OFF}
+
+
+def test_prompt_lookup_reaches_the_workers_with_its_ngram_lengths(smollm2, random_drafter):
+    config = engine_config(smollm2, carryover(random_drafter, prompt_lookup=True,
+                                              prompt_lookup_max=3, prompt_lookup_drafter_k=1))
+    assert config.speculative_config.draft_model_config.hf_config.carryover_runtime == {
+        "enabled": True, "goodput_k": False, "prompt_lookup": True, "prompt_lookup_min": 2,
+        "prompt_lookup_max": 3, "prompt_lookup_drafter_k": 1}
 
 
 def test_wrong_type_for_a_vllm_key_is_refused_in_one_line(smollm2, random_drafter):

@@ -154,6 +154,24 @@ def test_goodput_k_switches_k_and_stays_identical(
     assert spec["spec_decode_num_draft_tokens"] < 7 * spec["spec_decode_num_drafts"]
 
 
+@pytest.mark.parametrize("drafter_k", [None, 1])
+def test_prompt_lookup_drafts_where_text_repeats_and_stays_identical(
+        smollm2, prompts, trained_drafter, reference_fp32, tmp_path, drafter_k):
+    """`"prompt_lookup": true`: requests whose last tokens occur earlier in their text
+    draft what followed there (vLLM's n-gram matcher over the committed tokens plus
+    this step's accepted ones), the others the drafter's block, or its first token
+    (`prompt_lookup_drafter_k`: requests in one step verify different numbers of
+    drafts); the rejected lookup tokens are carried like any others."""
+    keys = {} if drafter_k is None else {"prompt_lookup_drafter_k": drafter_k}
+    out = generate(smollm2, prompts, tmp_path, "carryover-lookup", trained_drafter,
+                   prompt_lookup=True, **keys)
+    assert out["token_ids"] == reference_fp32["token_ids"]
+    spec, co = out["spec"], out["carryover"]
+    assert 0 < co["carryover_lookup_rounds"] < co["carryover_draft_rounds"]
+    accepted = spec["spec_decode_num_accepted_tokens"]
+    assert co["carryover_rejected_states"] == spec["spec_decode_num_draft_tokens"] - accepted
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 

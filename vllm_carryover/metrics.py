@@ -35,6 +35,8 @@ COUNTERS: dict[str, str] = {
     "carryover_nonempty_slot_rounds": "Request-rounds whose draft attended to a non-empty "
     "carryover slot.",
     "carryover_rejected_states": "Rejected target states carried over into a slot.",
+    "carryover_lookup_rounds": "Request-rounds whose draft began with prompt lookup's "
+    "tokens.",
 }
 
 
@@ -95,15 +97,25 @@ class CarryoverCounters:
 
     def record(self, carried: torch.Tensor) -> None:
         """Count one drafting round; `carried` is the slot size of each request."""
-        if self._device is None or self._device.device != carried.device:
-            self._device = torch.zeros(len(COUNTERS), dtype=torch.int64, device=carried.device)
-            self._host = torch.zeros(len(COUNTERS), dtype=torch.int64,
-                                     pin_memory=carried.is_cuda)
+        totals = self._totals_on(carried.device)
         c = carried.to(torch.int64)
-        self._device[0] += c.numel()
-        self._device[1] += (c > 0).sum()
-        self._device[2] += c.sum()
+        totals[0] += c.numel()
+        totals[1] += (c > 0).sum()
+        totals[2] += c.sum()
         self._publish(carried.device)
+
+    def record_lookup(self, from_lookup: torch.Tensor) -> None:
+        """Count the requests whose draft began with the prompt lookup's tokens;
+        `from_lookup` is [batch, K] bool (`prompt_lookup`)."""
+        self._totals_on(from_lookup.device)[3] += from_lookup[:, 0].sum()
+        self._publish(from_lookup.device)
+
+    def _totals_on(self, device: torch.device) -> torch.Tensor:
+        if self._device is None or self._device.device != device:
+            self._device = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
+            self._host = torch.zeros(len(COUNTERS), dtype=torch.int64,
+                                     pin_memory=device.type == "cuda")
+        return self._device
 
     def _publish(self, device: torch.device) -> None:
         assert self._device is not None and self._host is not None

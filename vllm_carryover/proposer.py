@@ -8,6 +8,8 @@ query block past them, so the next draft attends to them (see `carryover_slot`).
 A drafter with a Markov head (the semi-autoregressive variant) then picks its
 block left to right instead of in one parallel sample (`markov_head`). Near the
 drafter's length limit, requests that still fit keep drafting (`length_limit`).
+With `"prompt_lookup": true`, requests whose text repeats take the n-gram
+matcher's draft instead of the drafter's (`prompt_lookup`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ from vllm_carryover.draft_trace import DraftTrace
 from vllm_carryover.length_limit import LengthLimit
 from vllm_carryover.markov_head import draft_left_to_right
 from vllm_carryover.metrics import CarryoverCounters
+from vllm_carryover.prompt_lookup import (
+    PromptLookup,
+    draft_lengths,
+    make_lookup_probs_one_hot,
+    texts_of,
+)
 from vllm_carryover.slot_table import ENV_CHECK, SlotTable, checks_enabled, round_slots
 from vllm_carryover.speculative_config import CarryoverSettings
 from vllm_carryover.step_timer import StepTimer
@@ -67,17 +75,69 @@ class CarryoverProposer(DFlashProposer):
         if markov := getattr(self.draft_model_config.hf_config, "markov_rank", 0):
             logger.info("Semi-autoregressive drafter: a Markov head of rank %d drafts each "
                         "block left to right.", markov)
+        self.lookup: PromptLookup | None = None
+        self._sampled: tuple[torch.Tensor, torch.Tensor] | None = None  # for the lookup
+        self._draft_lengths: dict[str, int] | None = None  # this round's, set by the lookup
+        if self.settings.prompt_lookup:
+            self.lookup = PromptLookup(self.settings.prompt_lookup_min,
+                                       self.settings.prompt_lookup_max,
+                                       vllm_config.model_config.max_model_len)
+            logger.info("Prompt lookup: requests whose last %d-%d tokens occur earlier in "
+                        "their text draft what followed them there.",
+                        self.settings.prompt_lookup_min, self.settings.prompt_lookup_max)
 
     @override
     def propose(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        draft = self._keep_context_only if kwargs.get("num_speculative_tokens") == 0 \
-            else super().propose
         if self.step_timer is None:
-            return draft(*args, **kwargs)
+            return self._draft(*args, **kwargs)
         with self.step_timer.step(self, args, kwargs) as step:  # the draft-step benchmark
-            drafts = draft(*args, **kwargs)
+            drafts = self._draft(*args, **kwargs)
             step.carried = int(self._layout.carried.sum()) if self._layout is not None else 0
         return drafts
+
+    def _draft(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("num_speculative_tokens") == 0:
+            return self._keep_context_only(**kwargs)
+        drafts = super().propose(*args, **kwargs)
+        if self.lookup is not None:
+            self._look_up(drafts)
+        return drafts
+
+    @override
+    def prepare_next_token_ids_padded(self, sampled_token_ids: torch.Tensor, requests: Any,
+                                      gpu_input_batch: Any, discard_request_mask: torch.Tensor
+                                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The runner calls this just before `propose` with this step's sampled tokens,
+        # which the lookup needs: vLLM adds them to its token table only after drafting.
+        self._sampled = (sampled_token_ids, discard_request_mask)
+        return super().prepare_next_token_ids_padded(
+            sampled_token_ids, requests, gpu_input_batch, discard_request_mask)
+
+    def _look_up(self, drafts: torch.Tensor) -> None:
+        """Put the prompt lookup's proposals into `drafts` [batch, K] (in place), and
+        their one-hot distributions into the draft probabilities if sampling uses them."""
+        assert self.lookup is not None and self._sampled is not None
+        sampled, discarded = self._sampled
+        batch = self._runner.input_batch
+        texts = texts_of(batch.token_ids_cpu, batch.num_tokens_no_spec,
+                         sampled[: drafts.shape[0]], discarded)
+        from_lookup = self.lookup.override(drafts, texts)
+        if self._last_draft_probs is not None:
+            make_lookup_probs_one_hot(self._last_draft_probs, drafts, from_lookup)
+        self.counters.record_lookup(from_lookup)
+        lengths = draft_lengths(from_lookup, self.settings.prompt_lookup_drafter_k)
+        self._draft_lengths = dict(zip(batch.req_ids[: drafts.shape[0]], lengths, strict=True))
+
+    def kept_drafts(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
+        """The drafts the runner hands the scheduler (vLLM's synchronous scheduling, the
+        CPU default): none for requests over the length limit, and with prompt lookup
+        each request's lookup run or the drafter's first tokens (`draft_lengths`)."""
+        lengths, self._draft_lengths = self._draft_lengths, None  # this round's only
+        if self.length_limit.over_req_ids:
+            drafts = self.length_limit.drop_drafts(req_ids, drafts)
+        if lengths is None:
+            return drafts
+        return [d[: lengths.get(r, len(d))] for r, d in zip(req_ids, drafts, strict=True)]
 
     def _keep_context_only(self, *, target_token_ids: torch.Tensor,
                            target_positions: torch.Tensor, target_hidden_states: torch.Tensor,

@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from vllm_carryover.drafter_source import is_hub_id
+from vllm_carryover.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
 from vllm_carryover.run_settings import REPO
 
 DRAFTER_KINDS = ("dflash", "carryover", "carryover-off")
-NGRAM_LOOKUP = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
+# the n-gram row matches what `"prompt_lookup": true` matches
+NGRAM_LOOKUP = {"prompt_lookup_min": DEFAULT_MIN_N, "prompt_lookup_max": DEFAULT_MAX_N}
 _NAME = re.compile(r"[A-Za-z0-9_.+-]+")
 
 ROW_GRAMMAR = """\

@@ -17,6 +17,7 @@ from vllm_carryover.checkpoint import has_rejected_embedding
 from vllm_carryover.config_error import CarryoverConfigError
 from vllm_carryover.drafter_source import resolve_drafter
 from vllm_carryover.drafter_validation import validate_drafter
+from vllm_carryover.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's configured logger
 
@@ -29,6 +30,13 @@ CARRYOVER_KEYS: dict[str, str] = {
     "carryover": "true: the next draft attends to the rejected states of the last "
     "verify step; false: plain DFlash drafting on the same weights; default: true if "
     "the drafter has a rejected_embedding (was trained to read carried states)",
+    "prompt_lookup": "true: where vLLM's n-gram matcher finds the request's last tokens "
+    "earlier in its text, draft what followed them there instead of the drafter's block "
+    "(default: false)",
+    "prompt_lookup_min": "with prompt_lookup, the shortest n-gram to match (default: 2)",
+    "prompt_lookup_max": "with prompt_lookup, the longest n-gram to match (default: 4)",
+    "prompt_lookup_drafter_k": "with prompt_lookup, how many of the drafter's tokens a "
+    "request without a match drafts (default: num_speculative_tokens)",
 }
 # vLLM's keys that make sense for a carryover drafter.
 VLLM_KEYS: tuple[str, ...] = (
@@ -55,6 +63,10 @@ class CarryoverSettings:
 
     enabled: bool = True
     goodput_k: bool = False  # K per step by measured goodput (`goodput_k`)
+    prompt_lookup: bool = False  # the n-gram matcher's drafts where it has some
+    prompt_lookup_min: int = DEFAULT_MIN_N
+    prompt_lookup_max: int = DEFAULT_MAX_N
+    prompt_lookup_drafter_k: int | None = None  # None: all K
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> CarryoverSettings:
@@ -79,6 +91,10 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
             f"allowed keys: {', '.join(ALLOWED_KEYS)}"
         )
     enabled = spec.pop("carryover", None)
+    lookup = lookup_settings(spec.pop("prompt_lookup", False),
+                             spec.pop("prompt_lookup_min", DEFAULT_MIN_N),
+                             spec.pop("prompt_lookup_max", DEFAULT_MAX_N),
+                             spec.pop("prompt_lookup_drafter_k", None))
     schedule = spec.get("num_speculative_tokens_per_batch_size")
     if isinstance(schedule, str) and schedule != GOODPUT:
         raise CarryoverConfigError(
@@ -112,6 +128,11 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
     drafter = validate_drafter(folder, target_hf_config, k)
     if k is None:
         spec["num_speculative_tokens"] = drafter.block_size - 1
+    drafter_k = lookup["prompt_lookup_drafter_k"]
+    if drafter_k is not None and drafter_k > spec["num_speculative_tokens"]:
+        raise CarryoverConfigError(
+            f"'prompt_lookup_drafter_k' ({drafter_k}) is above num_speculative_tokens "
+            f"({spec['num_speculative_tokens']}); use 0..{spec['num_speculative_tokens']}")
     if enabled is None:
         enabled = default_enabled(folder)
     if goodput_k:  # vLLM's dynamic K on; the scheduler's lookup is replaced (vllm_patches)
@@ -127,7 +148,28 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
     # of the hits and 1.4x the time to first token (docs/results.md, session 22).
     spec.setdefault("disable_eagle_block_drop", True)
     spec["method"] = "dflash"
-    return spec, CarryoverSettings(enabled=enabled, goodput_k=goodput_k)
+    return spec, CarryoverSettings(enabled=enabled, goodput_k=goodput_k, **lookup)
+
+
+def lookup_settings(on: Any, min_n: Any, max_n: Any, drafter_k: Any) -> dict[str, Any]:
+    """The prompt-lookup keys, checked (CarryoverConfigError with the fix)."""
+    if not isinstance(on, bool):
+        raise CarryoverConfigError(f"'prompt_lookup' must be true or false, got {on!r}")
+    _check_count("prompt_lookup_min", min_n, least=1)
+    _check_count("prompt_lookup_max", max_n, least=1)
+    if drafter_k is not None:
+        _check_count("prompt_lookup_drafter_k", drafter_k, least=0)
+    if min_n > max_n:
+        raise CarryoverConfigError(
+            f"'prompt_lookup_min' ({min_n}) is above 'prompt_lookup_max' ({max_n}); "
+            "make the shortest n-gram at most the longest")
+    return {"prompt_lookup": on, "prompt_lookup_min": min_n, "prompt_lookup_max": max_n,
+            "prompt_lookup_drafter_k": drafter_k}
+
+
+def _check_count(key: str, n: Any, least: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < least:
+        raise CarryoverConfigError(f"'{key}' must be an integer of at least {least}, got {n!r}")
 
 
 def default_enabled(folder: Path) -> bool:

@@ -193,7 +193,8 @@ def _patch_dflash_proposer() -> None:
 
 
 def _patch_runner_length_limit() -> None:
-    """Per-request drafting near the length limit, for runners whose drafter asks for it.
+    """Per-request drafting near the length limit, and per-request draft lengths with
+    prompt lookup (`CarryoverProposer.kept_drafts`), for runners whose drafter asks.
 
     Applied when the first carryover proposer is built (in a worker, where the runner
     module is loaded anyway); runners with another drafter keep vLLM's behaviour."""
@@ -211,11 +212,10 @@ def _patch_runner_length_limit() -> None:
 
     def take_draft_token_ids(self: Any) -> Any:
         drafts = take(self)
-        limit = getattr(getattr(self, "drafter", None), "length_limit", None)
-        if drafts is None or limit is None or not limit.over_req_ids:
+        kept = getattr(getattr(self, "drafter", None), "kept_drafts", None)
+        if drafts is None or kept is None:
             return drafts
-        return type(drafts)(drafts.req_ids, limit.drop_drafts(drafts.req_ids,
-                                                              drafts.draft_token_ids))
+        return type(drafts)(drafts.req_ids, kept(drafts.req_ids, drafts.draft_token_ids))
 
     _input_fits_in_drafter._carryover = True  # type: ignore[attr-defined]
     GPUModelRunner._input_fits_in_drafter = _input_fits_in_drafter

@@ -1,0 +1,62 @@
+"""Prompt lookup beside the drafter (`vllm_carryover.prompt_lookup`), without an engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_carryover.prompt_lookup import (
+    PromptLookup,
+    draft_lengths,
+    make_lookup_probs_one_hot,
+    texts_of,
+)
+
+
+def test_text_is_the_committed_tokens_then_this_steps_accepted_ones() -> None:
+    table = np.array([[1, 2, 3, 0, 0, 0], [4, 5, 0, 0, 0, 0], [6, 7, 8, 9, 0, 0]],
+                     dtype=np.int32)
+    sampled = torch.tensor([[10, 11, -1], [12, -1, -1], [99, -1, -1]])
+    discarded = torch.tensor([False, False, True, False])  # vLLM's mask is max_num_reqs long
+    texts = texts_of(table, np.array([3, 2, 4]), sampled, discarded)
+    assert texts[0].tolist() == [1, 2, 3, 10, 11]
+    assert texts[1].tolist() == [4, 5, 12]
+    assert texts[2] is None  # a prefill chunk that sampled nothing
+
+
+def test_a_repeated_text_drafts_what_followed_and_the_rest_keeps_the_drafter() -> None:
+    lookup = PromptLookup(min_n=2, max_n=4, max_model_len=1024)
+    repeated = np.array([5, 6, 7, 8, 9, 5, 6], dtype=np.int32)  # "5 6" was followed by 7 8 9
+    fresh = np.array([1, 2, 3, 4], dtype=np.int32)
+    drafts = torch.full((3, 4), -7, dtype=torch.int64)
+    from_lookup = lookup.override(drafts, [repeated, fresh, None])
+    # the match's continuation runs out after 7 8 9 5 6; K = 4 takes 7 8 9 5
+    assert drafts[0].tolist() == [7, 8, 9, 5]
+    assert drafts[1].tolist() == drafts[2].tolist() == [-7] * 4
+    assert from_lookup.tolist() == [[True] * 4, [False] * 4, [False] * 4]
+
+
+def test_a_short_match_leaves_the_drafters_tail() -> None:
+    lookup = PromptLookup(min_n=2, max_n=4, max_model_len=1024)
+    drafts = torch.full((1, 4), -7, dtype=torch.int64)
+    from_lookup = lookup.override(drafts, [np.array([3, 4, 5, 3, 4], dtype=np.int32)])
+    assert drafts[0].tolist() == [5, 3, 4, -7]
+    assert from_lookup[0].tolist() == [True, True, True, False]
+
+
+def test_lookup_tokens_get_one_hot_draft_probabilities() -> None:
+    probs = torch.full((2, 3, 5), 0.2)
+    drafts = torch.tensor([[1, 4, 0], [2, 2, 2]])
+    from_lookup = torch.tensor([[True, True, False], [False, False, False]])
+    make_lookup_probs_one_hot(probs, drafts, from_lookup)
+    assert probs[0, 0].tolist() == [0, 1, 0, 0, 0]
+    assert probs[0, 1].tolist() == [0, 0, 0, 0, 1]
+    assert torch.allclose(probs[0, 2], torch.full((5,), 0.2))
+    assert torch.allclose(probs[1], torch.full((3, 5), 0.2))
+
+
+def test_a_request_keeps_its_lookup_run_else_the_drafters_first_tokens() -> None:
+    from_lookup = torch.tensor([[True, True, True, False], [False] * 4, [True] * 4])
+    assert draft_lengths(from_lookup, 1) == [3, 1, 4]
+    assert draft_lengths(from_lookup, 0) == [3, 0, 4]
+    assert draft_lengths(from_lookup, None) == [3, 4, 4]
