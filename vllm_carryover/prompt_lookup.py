@@ -6,16 +6,16 @@ Where a response repeats its prompt or itself (code, translation, quoted text)
 that drafts long runs that are right; elsewhere it proposes nothing. The
 drafter drafts everywhere, in short runs. With `"prompt_lookup": true` a
 carryover step takes the lookup's proposal for each request that has one and
-the drafter's block for the others (measured offline first, walked tau on the
-held-out split: drafter 1.56, lookup 2.08, both 2.70; docs/results.md).
+the drafter's first `prompt_lookup_drafter_k` tokens for the others
+(`draft_lengths`; measured in docs/results.md, session 26).
 
-A lookup shorter than K keeps the drafter's tokens after it. Sampling stays
-exact: a lookup token is a deterministic proposal, so its draft distribution is
-one-hot (what vLLM's rejection sampler assumes for n-gram drafts), and the
-drafter's tokens after it were drawn from distributions that do not depend on
-it. The rejected lookup tokens are carried into the next draft like any other:
-they are the target's states of rejected tokens, which is what the drafter's
-rejected embedding marks.
+Sampling stays exact: a lookup token is a deterministic proposal, so its draft
+distribution is one-hot (what vLLM's rejection sampler assumes for n-gram
+drafts). Where a row must stay K wide (vLLM's async scheduling), the drafter's
+tokens after a short run stay too; they were drawn from distributions that do
+not depend on the lookup's. The rejected lookup tokens are carried into the
+next draft like any other: they are the target's states of rejected tokens,
+which is what the drafter's rejected embedding marks.
 
 The matcher is vLLM's own (`ngram_proposer`), so a lookup proposes exactly what
 vLLM's n-gram method would on the same text.

