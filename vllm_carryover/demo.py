@@ -37,18 +37,25 @@ def default_drafter(target: Path, workdir: Path) -> Path:
     return init_drafter(target, workdir / "random-drafter", block_size=8)
 
 
-def chat_all(url: str, model: str, max_tokens: int) -> tuple[list[str], int, float]:
-    """Answers, output tokens and seconds for QUESTIONS, one request at a time."""
+def chat_all(url: str, model: str, max_tokens: int, questions: list[str] = QUESTIONS
+             ) -> tuple[list[str], int, float]:
+    """Answers, output tokens and seconds for `questions`, one request at a time."""
     from openai import OpenAI
 
     client = OpenAI(base_url=url + "/v1", api_key="unused")
     answers, tokens, start = [], 0, time.perf_counter()
-    for q in QUESTIONS:
+    for q in questions:
         r = client.chat.completions.create(model=model, temperature=0, max_tokens=max_tokens,
                                            messages=[{"role": "user", "content": q}])
         answers.append(r.choices[0].message.content or "")
         tokens += r.usage.completion_tokens
     return answers, tokens, time.perf_counter() - start
+
+
+def warm_up(url: str, model: str) -> None:
+    """One untimed request: a fresh server's first one is slow (0.5-1.8 s to its first
+    token on a 2-core CPU, speculative servers most; docs/results.md, session 24)."""
+    chat_all(url, model, 16, ["Hello!"])
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.demo") -> None:
@@ -84,10 +91,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.de
 
     print("starting vllm serve without speculation ...", flush=True)
     with VllmServer(target, logs / "plain.log", dtype=a.dtype) as plain:
+        warm_up(plain.url, str(target))
         plain_answers, plain_tokens, plain_s = chat_all(plain.url, str(target), a.max_tokens)
     print("starting vllm serve with carryover ...", flush=True)
     with VllmServer(target, logs / "carryover.log", speculative_config=spec,
                     dtype=a.dtype) as server:
+        warm_up(server.url, str(target))
         before = server.metrics()
         answers, tokens, seconds = chat_all(server.url, str(target), a.max_tokens)
         after = server.metrics()
