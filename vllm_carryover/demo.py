@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.de
     p.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
     p.add_argument("--no-prompt-lookup", dest="prompt_lookup", action="store_false",
                    help="draft with the drafter alone (default: prompt lookup where the "
-                   "text repeats, the drafter's first token elsewhere: the fastest measured "
-                   "at one request at a time, docs/results.md session 26)")
+                   "text repeats, the drafter's first token elsewhere: 1.39x no speculation "
+                   "at one request at a time in docs/results.md, session 26)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 on a GPU or a CPU with native bf16 matmuls, else "

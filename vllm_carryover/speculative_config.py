@@ -33,8 +33,10 @@ CARRYOVER_KEYS: dict[str, str] = {
     "prompt_lookup": "true: where vLLM's n-gram matcher finds the request's last tokens "
     "earlier in its text, draft what followed them there instead of the drafter's block "
     "(default: false)",
-    "prompt_lookup_min": "with prompt_lookup, the shortest n-gram to match (default: 2)",
-    "prompt_lookup_max": "with prompt_lookup, the longest n-gram to match (default: 4)",
+    "prompt_lookup_min": f"with prompt_lookup, the shortest n-gram to match (default: "
+    f"{DEFAULT_MIN_N})",
+    "prompt_lookup_max": f"with prompt_lookup, the longest n-gram to match (default: "
+    f"{DEFAULT_MAX_N})",
     "prompt_lookup_drafter_k": "with prompt_lookup, how many of the drafter's tokens a "
     "request without a match drafts (default: num_speculative_tokens)",
 }
