@@ -58,9 +58,9 @@ SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 # K per step by measured goodput (vllm_carryover/goodput_k.py), 0 included.
 GOODPUT = {"method": "carryover", "model": str(SMOLLM2 / "carryover"),
            "num_speculative_tokens_per_batch_size": "goodput"}
-# ... with prompt lookup where the text repeats, the drafter's first token elsewhere: the
-# fastest measured (docs/results.md, session 26)
-LOOKUP = GOODPUT | {"prompt_lookup": True, "prompt_lookup_drafter_k": 1}
+# ... with prompt lookup where the text repeats, else the target's usual phrase (corpus
+# lookup), else the drafter's first token: the fastest measured (docs/results.md, session 27)
+LOOKUP = GOODPUT | {"prompt_lookup": True, "corpus_lookup": True, "prompt_lookup_drafter_k": 1}
 DEFAULT_ROWS = ["none", "ngram", f"dflash=dflash:{SMOLLM2 / 'dflash-baseline'}",
                 f"carryover-off=carryover-off:{SMOLLM2 / 'carryover'}",
                 f"carryover=carryover:{SMOLLM2 / 'carryover'}",

@@ -172,6 +172,31 @@ def test_prompt_lookup_drafts_where_text_repeats_and_stays_identical(
     assert co["carryover_rejected_states"] == spec["spec_decode_num_draft_tokens"] - accepted
 
 
+def test_corpus_lookup_drafts_the_targets_usual_phrases_and_stays_identical(
+        smollm2, prompts, trained_drafter, reference_fp32, tmp_path):
+    """`"corpus_lookup": true`: requests whose text ends in a context of the drafter
+    folder's corpus table draft its chain, the others the drafter's first token. The
+    table holds the target's own answers to half of the prompts (twice, so that each
+    context counts as confident): those requests draft their whole answers, the others
+    only phrases they share, which are often rejected."""
+    from vllm_carryover.corpus_lookup import CORPUS_FILE, CorpusTable
+
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    for f in trained_drafter.iterdir():
+        (drafter / f.name).symlink_to(f)
+    half = len(prompts) // 2
+    answers = list(zip(prompts[:half], reference_fp32["token_ids"][:half], strict=True))
+    CorpusTable.build(answers * 2).save(drafter / CORPUS_FILE)
+    out = generate(smollm2, prompts, tmp_path, "carryover-corpus", drafter,
+                   corpus_lookup=True, prompt_lookup_drafter_k=1)
+    assert out["token_ids"] == reference_fp32["token_ids"]
+    spec, co = out["spec"], out["carryover"]
+    assert 0 < co["carryover_lookup_rounds"] < co["carryover_draft_rounds"]
+    accepted = spec["spec_decode_num_accepted_tokens"]
+    assert co["carryover_rejected_states"] == spec["spec_decode_num_draft_tokens"] - accepted
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 

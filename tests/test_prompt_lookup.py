@@ -9,6 +9,7 @@ from vllm_carryover.prompt_lookup import (
     PromptLookup,
     draft_lengths,
     make_lookup_probs_one_hot,
+    override_drafts,
     texts_of,
 )
 
@@ -29,7 +30,7 @@ def test_a_repeated_text_drafts_what_followed_and_the_rest_keeps_the_drafter() -
     repeated = np.array([5, 6, 7, 8, 9, 5, 6], dtype=np.int32)  # "5 6" was followed by 7 8 9
     fresh = np.array([1, 2, 3, 4], dtype=np.int32)
     drafts = torch.full((3, 4), -7, dtype=torch.int64)
-    from_lookup = lookup.override(drafts, [repeated, fresh, None])
+    from_lookup = override_drafts(drafts, [repeated, fresh, None], lookup.propose)
     # the match's continuation runs out after 7 8 9 5 6; K = 4 takes 7 8 9 5
     assert drafts[0].tolist() == [7, 8, 9, 5]
     assert drafts[1].tolist() == drafts[2].tolist() == [-7] * 4
@@ -39,7 +40,8 @@ def test_a_repeated_text_drafts_what_followed_and_the_rest_keeps_the_drafter() -
 def test_a_short_match_leaves_the_drafters_tail() -> None:
     lookup = PromptLookup(min_n=2, max_n=4, max_model_len=1024)
     drafts = torch.full((1, 4), -7, dtype=torch.int64)
-    from_lookup = lookup.override(drafts, [np.array([3, 4, 5, 3, 4], dtype=np.int32)])
+    from_lookup = override_drafts(drafts, [np.array([3, 4, 5, 3, 4], dtype=np.int32)],
+                                  lookup.propose)
     assert drafts[0].tolist() == [5, 3, 4, -7]
     assert from_lookup[0].tolist() == [True, True, True, False]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiny_models import make_tiny_drafter, make_tiny_target
 from vllm_carryover.train.data import write_dataset
-from vllm_carryover.train.lookup_headroom import NO_DRAFT, lookup_drafts
+from vllm_carryover.train.lookup_headroom import NO_DRAFT, POLICIES, lookup_drafts
 from vllm_carryover.train.main import main
 from vllm_carryover.train.paths import data_dir
 
@@ -52,7 +52,7 @@ def test_lookup_headroom_walks_long_runs_on_repeated_text(
     assert "| all |" in capsys.readouterr().out
     assert set(table) == {"all", "chat", "code"}
     for row in table.values():
-        assert all(1.0 <= row[p] <= 4 for p in ("drafter", "lookup", "both"))
+        assert all(1.0 <= row[p] <= 4 for p in POLICIES)
         assert 0.0 <= row["lookup_share"] <= 1.0
     everything = table["all"]
     # a response's first step has nothing to look up (its last prompt token and first

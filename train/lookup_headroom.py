@@ -6,11 +6,16 @@ it: where a response repeats its prompt or itself (code, translation, quoted tex
 drafts long runs that are right, elsewhere it proposes nothing. The drafter drafts
 everywhere, short runs. On the held-out split, at every response position, this takes
 the drafter's greedy block and the lookup's proposal, and walks each response as a
-greedy speculative run does (`WalkStats`) under three policies:
+greedy speculative run does (`WalkStats`) under these policies:
 
-  drafter  the drafter's block at every step
-  lookup   the lookup's proposal; where it has none, a step that drafts nothing
-  both     the lookup's proposal where it has one, the drafter's block elsewhere
+  drafter        the drafter's block at every step
+  lookup         the lookup's proposal; where it has none, a step that drafts nothing
+  both           the lookup's proposal where it has one, the drafter's block elsewhere
+  corpus         the corpus lookup's proposal (`vllm_carryover.corpus_lookup`: what the
+                 target most often wrote after the same 2-5 tokens in the train split's
+                 responses), else nothing
+  lookup+corpus  the prompt lookup's proposal, else the corpus lookup's, else nothing
+  all            the prompt lookup's, else the corpus lookup's, else the drafter's block
 
 Reported per category (and "all"): each policy's tau (tokens per step), and the share
 of the `both` walk's steps that used the lookup. Target states and drafts are computed
@@ -25,11 +30,27 @@ from typing import TYPE_CHECKING
 
 from vllm_carryover.train.headroom import add_drafter_options, load_drafter, print_table
 
+from vllm_carryover.corpus_lookup import CorpusTable
+
 if TYPE_CHECKING:
     import torch
 
-POLICIES = ("drafter", "lookup", "both")
+POLICIES = ("drafter", "lookup", "both", "corpus", "lookup+corpus", "all")
 NO_DRAFT = -1  # a draft id no label equals
+
+
+def corpus_drafts(table: CorpusTable, tokens: torch.Tensor, start: int, num_drafts: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lookup_drafts` of the corpus lookup: (drafts [A, K] padded with NO_DRAFT,
+    proposed [A] bool) for the blocks anchored at positions start .. T - 2."""
+    import torch
+
+    ids = tokens.tolist()
+    drafts = torch.full((len(ids) - 1 - start, num_drafts), NO_DRAFT, dtype=torch.long)
+    for row, p in enumerate(range(start, len(ids) - 1)):
+        found = table.propose(ids[: p + 1], num_drafts)
+        drafts[row, : len(found)] = torch.tensor(found, dtype=torch.long)
+    return drafts, (drafts != NO_DRAFT).any(-1)
 
 
 def lookup_drafts(tokens: torch.Tensor, start: int, num_drafts: int, min_n: int = 2,
@@ -71,7 +92,10 @@ def lookup_headroom(target: str, init: str, data: str, chunk: int = 64
     layer_ids = list(drafter.config.target_layer_ids)
     feed = sequence_feed(place, layer_ids, truncated_decoder(
         target, max(layer_ids), place.dtype, place.device))
-    seqs = load_sequences(target, data, layer_ids, cached=False)["heldout"]
+    splits = load_sequences(target, data, layer_ids, cached=False)
+    seqs = splits["heldout"]
+    corpus = CorpusTable.build([(s.tokens[: s.response_start].tolist(),
+                           s.tokens[s.response_start:].tolist()) for s in splits["train"]])
     walks: dict[str, dict[str, WalkStats]] = defaultdict(
         lambda: {p: WalkStats() for p in POLICIES})
     lookup_steps: dict[str, int] = defaultdict(int)
@@ -82,8 +106,12 @@ def lookup_headroom(target: str, init: str, data: str, chunk: int = 64
                 continue
             model, label = greedy_blocks(drafter, feed(seq), chunk)
             looked, proposed = lookup_drafts(seq.tokens, start, k)
+            from_corpus, in_corpus = corpus_drafts(corpus, seq.tokens, start, k)
+            either = torch.where(proposed[:, None], looked, from_corpus)
             by_policy = {"drafter": model, "lookup": looked,
-                         "both": torch.where(proposed[:, None], looked, model)}
+                         "both": torch.where(proposed[:, None], looked, model),
+                         "corpus": from_corpus, "lookup+corpus": either,
+                         "all": torch.where((proposed | in_corpus)[:, None], either, model)}
             for name in ("all", seq.category) if seq.category else ("all",):
                 visits = {policy: walks[name][policy].add(drafts, label)
                           for policy, drafts in by_policy.items()}

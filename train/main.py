@@ -60,6 +60,21 @@ def cmd_draft_vocab(a: argparse.Namespace) -> None:
     print(path)
 
 
+def cmd_corpus_table(a: argparse.Namespace) -> None:
+    from vllm_carryover.train.data import load_samples
+    from vllm_carryover.train.paths import data_dir
+
+    from vllm_carryover.corpus_lookup import CORPUS_FILE, CorpusTable
+
+    samples = load_samples(data_dir(a.data), "train")
+    table = CorpusTable.build([(r["prompt_ids"], r["response_ids"]) for r in samples])
+    path = Path(a.drafter) / CORPUS_FILE
+    table.save(path)
+    print(f"{len(table):,} contexts from {len(samples):,} train responses of {a.data}",
+          file=sys.stderr)
+    print(path)
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     p = argparse.ArgumentParser(prog=prog, description=__doc__)
@@ -165,6 +180,18 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
                    help="dataset whose responses rank the tokens (default: %(default)s)")
     v.add_argument("--target", help="target model folder (default: the testbed SmolLM2 folder)")
     v.set_defaults(fn=cmd_draft_vocab)
+
+    t = sub.add_parser(
+        "corpus-table", help="the corpus lookup's table, written into a drafter folder",
+        description="What the target most often wrote after each context of 2-5 tokens in "
+        "the dataset's train responses, where that is confident (seen twice or more, and "
+        "half of that context's continuations or more), written to the drafter folder as "
+        "corpus_table.npz. Serving with \"corpus_lookup\": true drafts its chains "
+        "(vllm_carryover/corpus_lookup.py).")
+    t.add_argument("--drafter", required=True, help="drafter folder to write the table into")
+    t.add_argument("--data", default=DEFAULT_DATA,
+                   help="dataset whose train responses make the table (default: %(default)s)")
+    t.set_defaults(fn=cmd_corpus_table)
 
     vllm_eval.add_cli(sub)
     headroom.add_cli(sub)

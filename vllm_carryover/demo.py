@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm_carryover.corpus_lookup import CORPUS_FILE
 from vllm_carryover.run_settings import SHIPPED_DRAFTERS
 from vllm_carryover.server_process import VllmServer
 
@@ -68,8 +69,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.de
     p.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
     p.add_argument("--no-prompt-lookup", dest="prompt_lookup", action="store_false",
                    help="draft with the drafter alone (default: prompt lookup where the "
-                   "text repeats, the drafter's first token elsewhere: 1.39x no speculation "
-                   "at one request at a time in docs/results.md, session 26)")
+                   "text repeats, else the corpus lookup where the drafter folder has a "
+                   f"{CORPUS_FILE}, else the drafter's first token; with K by goodput this "
+                   "served 1.74x no speculation at concurrency 1, docs/results.md, session 27)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 on a GPU or a CPU with native bf16 matmuls, else "
@@ -86,7 +88,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.de
     drafter = a.drafter or default_drafter(target, logs)
     spec = {"method": "carryover", "model": str(drafter), "num_speculative_tokens": a.k}
     if a.prompt_lookup:
-        spec |= {"prompt_lookup": True, "prompt_lookup_drafter_k": 1}
+        spec |= {"prompt_lookup": True, "prompt_lookup_drafter_k": 1,
+                 "corpus_lookup": (drafter / CORPUS_FILE).is_file()}
     print(f"target : {target}\ndrafter: {drafter}\ndtype  : {a.dtype}\nlogs   : {logs}\n")
 
     print("starting vllm serve without speculation ...", flush=True)
@@ -120,8 +123,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.de
                                   delta.get("vllm:carryover_nonempty_slot_rounds_total", 0),
                                   delta.get("vllm:carryover_draft_rounds_total", 0)))
     if a.prompt_lookup:
-        print("prompt lookup: {:.0f} of those rounds drafted repeated text".format(
-            delta.get("vllm:carryover_lookup_rounds_total", 0)))
+        print("prompt and corpus lookup: {:.0f} of those rounds drafted repeated text or "
+              "the target's usual phrases".format(
+                  delta.get("vllm:carryover_lookup_rounds_total", 0)))
     plain_tps, tps = plain_tokens / plain_s, tokens / seconds
     print(f"output speed, one request at a time: {tps:.1f} tok/s with carryover vs "
           f"{plain_tps:.1f} tok/s without speculation = {tps / plain_tps:.2f}x")

@@ -23,6 +23,7 @@ vLLM's n-gram method would on the same text.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -49,22 +50,24 @@ class PromptLookup:
         """Up to `k` tokens that followed the longest earlier match of `text`'s end."""
         return self._match(text, self.min_n, self.max_n, self.max_model_len, k)
 
-    def override(self, drafts: torch.Tensor, texts: list[np.ndarray | None]) -> torch.Tensor:
-        """Replace (in place) the leading tokens of each request's draft row with the
-        lookup's proposal over its text (None: leave the row); returns [batch, K] bool,
-        True where a draft token came from the lookup."""
-        import torch
 
-        k = drafts.shape[1]
-        from_lookup = torch.zeros(drafts.shape, dtype=torch.bool)
-        for i, text in enumerate(texts):
-            if text is None:
-                continue
-            found = self.propose(text, k)
-            if len(found):
-                drafts[i, : len(found)] = torch.from_numpy(found.astype(np.int64))
-                from_lookup[i, : len(found)] = True
-        return from_lookup.to(drafts.device)
+def override_drafts(drafts: torch.Tensor, texts: list[np.ndarray | None],
+                    propose: Callable[[np.ndarray, int], Sequence[int]]) -> torch.Tensor:
+    """Replace (in place) the leading tokens of each request's draft row with a lookup's
+    proposal over its text (None: leave the row); returns [batch, K] bool, True where a
+    draft token came from the lookup."""
+    import torch
+
+    k = drafts.shape[1]
+    from_lookup = torch.zeros(drafts.shape, dtype=torch.bool)
+    for i, text in enumerate(texts):
+        if text is None:
+            continue
+        found = propose(text, k)
+        if len(found):
+            drafts[i, : len(found)] = torch.as_tensor(np.asarray(found, dtype=np.int64))
+            from_lookup[i, : len(found)] = True
+    return from_lookup.to(drafts.device)
 
 
 def texts_of(token_ids: np.ndarray, num_tokens: np.ndarray, sampled: torch.Tensor,

@@ -9,11 +9,14 @@ A drafter with a Markov head (the semi-autoregressive variant) then picks its
 block left to right instead of in one parallel sample (`markov_head`). Near the
 drafter's length limit, requests that still fit keep drafting (`length_limit`).
 With `"prompt_lookup": true`, requests whose text repeats take the n-gram
-matcher's draft instead of the drafter's (`prompt_lookup`).
+matcher's draft instead of the drafter's (`prompt_lookup`); with `"corpus_lookup":
+true`, requests whose text ends in a phrase the target often writes take its usual
+continuation (`corpus_lookup`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +28,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_carryover import kernels
 from vllm_carryover.carryover_slot import SlotLayout, plan_slots, shift_query_slots
+from vllm_carryover.corpus_lookup import CORPUS_FILE, CorpusTable
 from vllm_carryover.draft_trace import DraftTrace
 from vllm_carryover.length_limit import LengthLimit
 from vllm_carryover.markov_head import draft_left_to_right
@@ -33,6 +37,7 @@ from vllm_carryover.prompt_lookup import (
     PromptLookup,
     draft_lengths,
     make_lookup_probs_one_hot,
+    override_drafts,
     texts_of,
 )
 from vllm_carryover.slot_table import ENV_CHECK, SlotTable, checks_enabled, round_slots
@@ -85,6 +90,11 @@ class CarryoverProposer(DFlashProposer):
             logger.info("Prompt lookup: requests whose last %d-%d tokens occur earlier in "
                         "their text draft what followed them there.",
                         self.settings.prompt_lookup_min, self.settings.prompt_lookup_max)
+        self.corpus: CorpusTable | None = None
+        if self.settings.corpus_lookup:
+            path = Path(self.draft_model_config.model) / CORPUS_FILE
+            self.corpus = CorpusTable.load(path)
+            logger.info("Corpus lookup: %d contexts from %s.", len(self.corpus), path)
 
     @override
     def propose(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -99,7 +109,7 @@ class CarryoverProposer(DFlashProposer):
         if kwargs.get("num_speculative_tokens") == 0:
             return self._keep_context_only(**kwargs)
         drafts = super().propose(*args, **kwargs)
-        if self.lookup is not None:
+        if self.lookup is not None or self.corpus is not None:
             self._look_up(drafts)
         return drafts
 
@@ -114,14 +124,21 @@ class CarryoverProposer(DFlashProposer):
             sampled_token_ids, requests, gpu_input_batch, discard_request_mask)
 
     def _look_up(self, drafts: torch.Tensor) -> None:
-        """Put the prompt lookup's proposals into `drafts` [batch, K] (in place), and
-        their one-hot distributions into the draft probabilities if sampling uses them."""
-        assert self.lookup is not None and self._sampled is not None
+        """Put the lookups' proposals into `drafts` [batch, K] (in place): the prompt
+        lookup's, else the corpus lookup's; and their one-hot distributions into the
+        draft probabilities if sampling uses them."""
+        assert self._sampled is not None
         sampled, discarded = self._sampled
         batch = self._runner.input_batch
         texts = texts_of(batch.token_ids_cpu, batch.num_tokens_no_spec,
                          sampled[: drafts.shape[0]], discarded)
-        from_lookup = self.lookup.override(drafts, texts)
+        from_lookup = torch.zeros(drafts.shape, dtype=torch.bool, device=drafts.device)
+        if self.lookup is not None:
+            from_lookup = override_drafts(drafts, texts, self.lookup.propose)
+        if self.corpus is not None:  # the requests the prompt lookup found nothing for
+            matched = from_lookup.any(dim=1).tolist()
+            rest = [None if m else t for t, m in zip(texts, matched, strict=True)]
+            from_lookup |= override_drafts(drafts, rest, self.corpus.propose)
         if self._last_draft_probs is not None:
             make_lookup_probs_one_hot(self._last_draft_probs, drafts, from_lookup)
         self.counters.record_lookup(from_lookup)

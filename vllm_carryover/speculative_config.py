@@ -15,6 +15,7 @@ from typing import Any
 
 from vllm_carryover.checkpoint import has_rejected_embedding
 from vllm_carryover.config_error import CarryoverConfigError
+from vllm_carryover.corpus_lookup import CORPUS_FILE
 from vllm_carryover.drafter_source import resolve_drafter
 from vllm_carryover.drafter_validation import validate_drafter
 from vllm_carryover.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
@@ -37,8 +38,12 @@ CARRYOVER_KEYS: dict[str, str] = {
     f"{DEFAULT_MIN_N})",
     "prompt_lookup_max": f"with prompt_lookup, the longest n-gram to match (default: "
     f"{DEFAULT_MAX_N})",
-    "prompt_lookup_drafter_k": "with prompt_lookup, how many of the drafter's tokens a "
-    "request without a match drafts (default: num_speculative_tokens)",
+    "prompt_lookup_drafter_k": "with prompt_lookup or corpus_lookup, how many of the "
+    "drafter's tokens a request without a match drafts (default: num_speculative_tokens)",
+    "corpus_lookup": f"true: where the drafter folder's {CORPUS_FILE} (what the target most "
+    "often wrote after the same 2-5 tokens; `python -m train corpus-table`) continues the "
+    "request's text, draft that chain; after prompt_lookup's match, before the drafter "
+    "(default: false)",
 }
 # vLLM's keys that make sense for a carryover drafter.
 VLLM_KEYS: tuple[str, ...] = (
@@ -69,6 +74,7 @@ class CarryoverSettings:
     prompt_lookup_min: int = DEFAULT_MIN_N
     prompt_lookup_max: int = DEFAULT_MAX_N
     prompt_lookup_drafter_k: int | None = None  # None: all K
+    corpus_lookup: bool = False  # the corpus table's chains where it has some
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> CarryoverSettings:
@@ -96,7 +102,8 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
     lookup = lookup_settings(spec.pop("prompt_lookup", False),
                              spec.pop("prompt_lookup_min", DEFAULT_MIN_N),
                              spec.pop("prompt_lookup_max", DEFAULT_MAX_N),
-                             spec.pop("prompt_lookup_drafter_k", None))
+                             spec.pop("prompt_lookup_drafter_k", None),
+                             spec.pop("corpus_lookup", False))
     schedule = spec.get("num_speculative_tokens_per_batch_size")
     if isinstance(schedule, str) and schedule != GOODPUT:
         raise CarryoverConfigError(
@@ -135,6 +142,11 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
         raise CarryoverConfigError(
             f"'prompt_lookup_drafter_k' ({drafter_k}) is above num_speculative_tokens "
             f"({spec['num_speculative_tokens']}); use 0..{spec['num_speculative_tokens']}")
+    if lookup["corpus_lookup"] and not (folder / CORPUS_FILE).is_file():
+        raise CarryoverConfigError(
+            f"'corpus_lookup' needs {CORPUS_FILE} in the drafter folder {folder}; build it "
+            f"with `python -m train corpus-table --drafter {folder}`, or remove "
+            "'corpus_lookup'")
     if enabled is None:
         enabled = default_enabled(folder)
     if goodput_k:  # vLLM's dynamic K on; the scheduler's lookup is replaced (vllm_patches)
@@ -153,10 +165,12 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
     return spec, CarryoverSettings(enabled=enabled, goodput_k=goodput_k, **lookup)
 
 
-def lookup_settings(on: Any, min_n: Any, max_n: Any, drafter_k: Any) -> dict[str, Any]:
-    """The prompt-lookup keys, checked (CarryoverConfigError with the fix)."""
-    if not isinstance(on, bool):
-        raise CarryoverConfigError(f"'prompt_lookup' must be true or false, got {on!r}")
+def lookup_settings(on: Any, min_n: Any, max_n: Any, drafter_k: Any, corpus: Any
+                    ) -> dict[str, Any]:
+    """The prompt- and corpus-lookup keys, checked (CarryoverConfigError with the fix)."""
+    for key, value in (("prompt_lookup", on), ("corpus_lookup", corpus)):
+        if not isinstance(value, bool):
+            raise CarryoverConfigError(f"'{key}' must be true or false, got {value!r}")
     _check_count("prompt_lookup_min", min_n, least=1)
     _check_count("prompt_lookup_max", max_n, least=1)
     if drafter_k is not None:
@@ -166,7 +180,7 @@ def lookup_settings(on: Any, min_n: Any, max_n: Any, drafter_k: Any) -> dict[str
             f"'prompt_lookup_min' ({min_n}) is above 'prompt_lookup_max' ({max_n}); "
             "make the shortest n-gram at most the longest")
     return {"prompt_lookup": on, "prompt_lookup_min": min_n, "prompt_lookup_max": max_n,
-            "prompt_lookup_drafter_k": drafter_k}
+            "prompt_lookup_drafter_k": drafter_k, "corpus_lookup": corpus}
 
 
 def _check_count(key: str, n: Any, least: int) -> None:
