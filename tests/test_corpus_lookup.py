@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from vllm_carryover.train.lookup_headroom import NO_DRAFT, corpus_drafts
+from vllm_carryover.train.lookup_headroom import NO_DRAFT, anchored_drafts
 
 from vllm_carryover.corpus_lookup import CorpusTable
 
@@ -27,7 +27,8 @@ def test_the_corpus_lookup_chains_the_targets_confident_continuations() -> None:
 
 def test_the_headroom_walk_gets_the_corpus_drafts_of_every_anchor() -> None:
     table = CorpusTable.build(TEXTS)
-    drafts, proposed = corpus_drafts(table, torch.tensor([5, 1, 2, 3, 4]), start=1, num_drafts=2)
+    drafts, proposed = anchored_drafts(torch.tensor([5, 1, 2, 3, 4]), start=1, num_drafts=2,
+                                       propose=table.propose)
     assert proposed.tolist() == [False, True, True]
     assert drafts.tolist() == [[NO_DRAFT] * 2, [3, 4], [4, NO_DRAFT]]
 

@@ -11,23 +11,27 @@ import pytest
 import torch
 from tiny_models import make_tiny_drafter, make_tiny_target
 from vllm_carryover.train.data import write_dataset
-from vllm_carryover.train.lookup_headroom import NO_DRAFT, POLICIES, lookup_drafts
+from vllm_carryover.train.lookup_headroom import NO_DRAFT, POLICIES, anchored_drafts
 from vllm_carryover.train.main import main
 from vllm_carryover.train.paths import data_dir
 
+from vllm_carryover.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, PromptLookup
+
 VOCAB = 64
+LOOKUP = PromptLookup(DEFAULT_MIN_N, DEFAULT_MAX_N, 1 << 30).propose
 DATA = "tiny-lookup"
 
 
 def test_lookup_proposes_what_followed_the_earlier_occurrence() -> None:
     tokens = torch.tensor([5, 6, 7, 8, 9, 1, 2, 5, 6, 7, 8, 3])
-    drafts, proposed = lookup_drafts(tokens, start=7, num_drafts=3)
+    drafts, proposed = anchored_drafts(tokens, start=7, num_drafts=3, propose=LOOKUP)
     # anchor 7 ends in "2 5": no earlier "2 5"; anchor 8 ends in "5 6", anchor 9 in "5 6 7"
     assert proposed.tolist() == [False, True, True, True]
     assert drafts[0].tolist() == [NO_DRAFT] * 3
     assert drafts[1].tolist() == [7, 8, 9]
     assert drafts[2].tolist() == [8, 9, 1]
-    _, never = lookup_drafts(torch.arange(1, 12), start=2, num_drafts=3)
+    _, never = anchored_drafts(torch.arange(1, 12), start=2, num_drafts=3,
+                               propose=LOOKUP)
     assert not never.any()  # no repeats, no proposals
 
 

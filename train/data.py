@@ -18,13 +18,16 @@ import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_carryover.train import dataset_store as store
 from vllm_carryover.train.answerer import Answerer, engine_kwargs
 from vllm_carryover.train.prompts import MAX_PROMPT_TOKENS, Prompt, prompt_token_ids
 
 from vllm_carryover.dtype import resolve_dtype
+
+if TYPE_CHECKING:
+    from vllm_carryover.corpus_lookup import CorpusTable
 
 # Re-exported: the dataset's reader API.
 load_manifest = store.load_manifest
@@ -45,6 +48,14 @@ def response_token_counts(folder: Path, vocab_size: int) -> Any:
 
     return token_counts((r["response_ids"] for r in store.iter_samples(folder)
                          if r["split"] == "train"), vocab_size)
+
+
+def corpus_table(folder: Path) -> CorpusTable:
+    """The corpus lookup's table of the train split's responses (held-out stay unseen)."""
+    from vllm_carryover.corpus_lookup import CorpusTable
+
+    return CorpusTable.build([(r["prompt_ids"], r["response_ids"])
+                              for r in load_samples(folder, "train")])
 
 
 def answer(folder: Path, target: str, *, max_tokens: int, shard_size: int,

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from vllm_carryover.train.headroom import add_drafter_options, load_drafter, print_table
 
-from vllm_carryover.corpus_lookup import CorpusTable
+from vllm_carryover.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, PromptLookup, Propose
 
 if TYPE_CHECKING:
     import torch
@@ -39,39 +39,20 @@ POLICIES = ("drafter", "lookup", "both", "corpus", "lookup+corpus", "all")
 NO_DRAFT = -1  # a draft id no label equals
 
 
-def corpus_drafts(table: CorpusTable, tokens: torch.Tensor, start: int, num_drafts: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`lookup_drafts` of the corpus lookup: (drafts [A, K] padded with NO_DRAFT,
-    proposed [A] bool) for the blocks anchored at positions start .. T - 2."""
-    import torch
-
-    ids = tokens.tolist()
-    drafts = torch.full((len(ids) - 1 - start, num_drafts), NO_DRAFT, dtype=torch.long)
-    for row, p in enumerate(range(start, len(ids) - 1)):
-        found = table.propose(ids[: p + 1], num_drafts)
-        drafts[row, : len(found)] = torch.tensor(found, dtype=torch.long)
-    return drafts, (drafts != NO_DRAFT).any(-1)
-
-
-def lookup_drafts(tokens: torch.Tensor, start: int, num_drafts: int, min_n: int = 2,
-                  max_n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """(drafts [A, K] padded with NO_DRAFT, proposed [A] bool) of vLLM's prompt lookup for
-    the blocks anchored at positions start .. T - 2 of `tokens` [T] (the anchor's token
-    is the last one it sees)."""
+def anchored_drafts(tokens: torch.Tensor, start: int, num_drafts: int,
+                    propose: Propose) -> tuple[torch.Tensor, torch.Tensor]:
+    """(drafts [A, K] padded with NO_DRAFT, proposed [A] bool) of a lookup for the blocks
+    anchored at positions start .. T - 2 of `tokens` [T]: `propose(ids, K)` sees the text
+    up to and including the anchor's token and returns at most K draft ids."""
     import numpy as np
     import torch
-
-    # vLLM's own matcher, so that these are the proposals its n-gram row makes
-    from vllm.v1.spec_decode.ngram_proposer import (
-        _find_longest_matched_ngram_and_propose_tokens as propose,
-    )
 
     ids = tokens.cpu().numpy().astype(np.int32)
     positions = range(start, len(ids) - 1)
     drafts = torch.full((len(positions), num_drafts), NO_DRAFT, dtype=torch.long)
     for row, p in enumerate(positions):
-        found = propose(ids[: p + 1], min_n, max_n, 1 << 30, num_drafts)
-        drafts[row, : len(found)] = torch.from_numpy(found.astype(np.int64))
+        found = np.asarray(propose(ids[: p + 1], num_drafts), dtype=np.int64)
+        drafts[row, : len(found)] = torch.from_numpy(found)
     return drafts, (drafts != NO_DRAFT).any(-1)
 
 
@@ -82,8 +63,10 @@ def lookup_headroom(target: str, init: str, data: str, chunk: int = 64
     import torch
     from tqdm import tqdm
     from vllm_carryover.train.baseline import greedy_blocks, load_sequences, sequence_feed
+    from vllm_carryover.train.data import corpus_table
     from vllm_carryover.train.device import placement
     from vllm_carryover.train.dflash_loss import WalkStats
+    from vllm_carryover.train.paths import data_dir
     from vllm_carryover.train.target_states import truncated_decoder
 
     place = placement()  # the machine's fastest dtype, as training evaluates
@@ -92,10 +75,9 @@ def lookup_headroom(target: str, init: str, data: str, chunk: int = 64
     layer_ids = list(drafter.config.target_layer_ids)
     feed = sequence_feed(place, layer_ids, truncated_decoder(
         target, max(layer_ids), place.dtype, place.device))
-    splits = load_sequences(target, data, layer_ids, cached=False)
-    seqs = splits["heldout"]
-    corpus = CorpusTable.build([(s.tokens[: s.response_start].tolist(),
-                           s.tokens[s.response_start:].tolist()) for s in splits["train"]])
+    seqs = load_sequences(target, data, layer_ids, cached=False)["heldout"]
+    corpus = corpus_table(data_dir(data))
+    vllm_lookup = PromptLookup(DEFAULT_MIN_N, DEFAULT_MAX_N, 1 << 30).propose  # vLLM's matcher
     walks: dict[str, dict[str, WalkStats]] = defaultdict(
         lambda: {p: WalkStats() for p in POLICIES})
     lookup_steps: dict[str, int] = defaultdict(int)
@@ -105,8 +87,8 @@ def lookup_headroom(target: str, init: str, data: str, chunk: int = 64
             if t - 1 <= start:
                 continue
             model, label = greedy_blocks(drafter, feed(seq), chunk)
-            looked, proposed = lookup_drafts(seq.tokens, start, k)
-            from_corpus, in_corpus = corpus_drafts(corpus, seq.tokens, start, k)
+            looked, proposed = anchored_drafts(seq.tokens, start, k, vllm_lookup)
+            from_corpus, in_corpus = anchored_drafts(seq.tokens, start, k, corpus.propose)
             either = torch.where(proposed[:, None], looked, from_corpus)
             by_policy = {"drafter": model, "lookup": looked,
                          "both": torch.where(proposed[:, None], looked, model),

@@ -61,17 +61,15 @@ def cmd_draft_vocab(a: argparse.Namespace) -> None:
 
 
 def cmd_corpus_table(a: argparse.Namespace) -> None:
-    from vllm_carryover.train.data import load_samples
+    from vllm_carryover.train.data import corpus_table
     from vllm_carryover.train.paths import data_dir
 
-    from vllm_carryover.corpus_lookup import CORPUS_FILE, CorpusTable
+    from vllm_carryover.corpus_lookup import CORPUS_FILE
 
-    samples = load_samples(data_dir(a.data), "train")
-    table = CorpusTable.build([(r["prompt_ids"], r["response_ids"]) for r in samples])
+    table = corpus_table(data_dir(a.data))
     path = Path(a.drafter) / CORPUS_FILE
     table.save(path)
-    print(f"{len(table):,} contexts from {len(samples):,} train responses of {a.data}",
-          file=sys.stderr)
+    print(f"{len(table):,} contexts from the train responses of {a.data}", file=sys.stderr)
     print(path)
 
 

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_MIN_N, DEFAULT_MAX_N = 2, 4  # n-gram lengths; the benchmarks' n-gram row uses them too
+# A lookup: up to K draft ids continuing a request's text (prompt or corpus lookup).
+Propose = Callable[[np.ndarray, int], Sequence[int]]
 
 
 class PromptLookup:
@@ -52,7 +54,7 @@ class PromptLookup:
 
 
 def override_drafts(drafts: torch.Tensor, texts: list[np.ndarray | None],
-                    propose: Callable[[np.ndarray, int], Sequence[int]]) -> torch.Tensor:
+                    propose: Propose) -> torch.Tensor:
     """Replace (in place) the leading tokens of each request's draft row with a lookup's
     proposal over its text (None: leave the row); returns [batch, K] bool, True where a
     draft token came from the lookup."""

@@ -35,6 +35,7 @@ from vllm_carryover.markov_head import draft_left_to_right
 from vllm_carryover.metrics import CarryoverCounters
 from vllm_carryover.prompt_lookup import (
     PromptLookup,
+    Propose,
     draft_lengths,
     make_lookup_probs_one_hot,
     override_drafts,
@@ -80,21 +81,22 @@ class CarryoverProposer(DFlashProposer):
         if markov := getattr(self.draft_model_config.hf_config, "markov_rank", 0):
             logger.info("Semi-autoregressive drafter: a Markov head of rank %d drafts each "
                         "block left to right.", markov)
-        self.lookup: PromptLookup | None = None
-        self._sampled: tuple[torch.Tensor, torch.Tensor] | None = None  # for the lookup
-        self._draft_lengths: dict[str, int] | None = None  # this round's, set by the lookup
+        # each a `propose(text, K)`, tried in this order for the requests not yet matched
+        self.lookups: list[Propose] = []
+        self._sampled: tuple[torch.Tensor, torch.Tensor] | None = None  # for the lookups
+        self._draft_lengths: dict[str, int] | None = None  # this round's, set by the lookups
         if self.settings.prompt_lookup:
-            self.lookup = PromptLookup(self.settings.prompt_lookup_min,
-                                       self.settings.prompt_lookup_max,
-                                       vllm_config.model_config.max_model_len)
+            self.lookups.append(PromptLookup(self.settings.prompt_lookup_min,
+                                             self.settings.prompt_lookup_max,
+                                             vllm_config.model_config.max_model_len).propose)
             logger.info("Prompt lookup: requests whose last %d-%d tokens occur earlier in "
                         "their text draft what followed them there.",
                         self.settings.prompt_lookup_min, self.settings.prompt_lookup_max)
-        self.corpus: CorpusTable | None = None
         if self.settings.corpus_lookup:
             path = Path(self.draft_model_config.model) / CORPUS_FILE
-            self.corpus = CorpusTable.load(path)
-            logger.info("Corpus lookup: %d contexts from %s.", len(self.corpus), path)
+            corpus = CorpusTable.load(path)
+            self.lookups.append(corpus.propose)
+            logger.info("Corpus lookup: %d contexts from %s.", len(corpus), path)
 
     @override
     def propose(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -109,7 +111,7 @@ class CarryoverProposer(DFlashProposer):
         if kwargs.get("num_speculative_tokens") == 0:
             return self._keep_context_only(**kwargs)
         drafts = super().propose(*args, **kwargs)
-        if self.lookup is not None or self.corpus is not None:
+        if self.lookups:
             self._look_up(drafts)
         return drafts
 
@@ -133,12 +135,10 @@ class CarryoverProposer(DFlashProposer):
         texts = texts_of(batch.token_ids_cpu, batch.num_tokens_no_spec,
                          sampled[: drafts.shape[0]], discarded)
         from_lookup = torch.zeros(drafts.shape, dtype=torch.bool, device=drafts.device)
-        if self.lookup is not None:
-            from_lookup = override_drafts(drafts, texts, self.lookup.propose)
-        if self.corpus is not None:  # the requests the prompt lookup found nothing for
+        for propose in self.lookups:  # each for the requests the ones before left unmatched
             matched = from_lookup.any(dim=1).tolist()
             rest = [None if m else t for t, m in zip(texts, matched, strict=True)]
-            from_lookup |= override_drafts(drafts, rest, self.corpus.propose)
+            from_lookup |= override_drafts(drafts, rest, propose)
         if self._last_draft_probs is not None:
             make_lookup_probs_one_hot(self._last_draft_probs, drafts, from_lookup)
         self.counters.record_lookup(from_lookup)
