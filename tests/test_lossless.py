@@ -166,35 +166,49 @@ def test_prompt_lookup_drafts_where_text_repeats_and_stays_identical(
     out = generate(smollm2, prompts, tmp_path, "carryover-lookup", trained_drafter,
                    prompt_lookup=True, **keys)
     assert out["token_ids"] == reference_fp32["token_ids"]
-    spec, co = out["spec"], out["carryover"]
+    co = out["carryover"]
     assert 0 < co["carryover_lookup_rounds"] < co["carryover_draft_rounds"]
-    accepted = spec["spec_decode_num_accepted_tokens"]
-    assert co["carryover_rejected_states"] == spec["spec_decode_num_draft_tokens"] - accepted
+    assert_rejected_states_carried(out["spec"], co)
 
 
+@pytest.mark.parametrize("answers_in_table", ["half", "all"])
 def test_corpus_lookup_drafts_the_targets_usual_phrases_and_stays_identical(
-        smollm2, prompts, trained_drafter, reference_fp32, tmp_path):
+        smollm2, prompts, trained_drafter, reference_fp32, tmp_path, answers_in_table):
     """`"corpus_lookup": true`: requests whose text ends in a context of the drafter
     folder's corpus table draft its chain, the others the drafter's first token. The
-    table holds the target's own answers to half of the prompts (twice, so that each
-    context counts as confident): those requests draft their whole answers, the others
-    only phrases they share, which are often rejected."""
+    table holds the target's own answers (twice, so that each context counts as
+    confident) to half of the prompts: those requests draft their whole answers, the
+    others only phrases they share, which are often rejected; or to all of them: then
+    whole steps draft lookup tokens alone, and skip the drafter's forward."""
     from vllm_carryover.corpus_lookup import CORPUS_FILE, CorpusTable
 
     drafter = tmp_path / "drafter"
     drafter.mkdir()
     for f in trained_drafter.iterdir():
         (drafter / f.name).symlink_to(f)
-    half = len(prompts) // 2
-    answers = list(zip(prompts[:half], reference_fp32["token_ids"][:half], strict=True))
+    n = len(prompts) // 2 if answers_in_table == "half" else len(prompts)
+    answers = list(zip(prompts[:n], reference_fp32["token_ids"][:n], strict=True))
     CorpusTable.build(answers * 2).save(drafter / CORPUS_FILE)
     out = generate(smollm2, prompts, tmp_path, "carryover-corpus", drafter,
                    corpus_lookup=True, prompt_lookup_drafter_k=1)
     assert out["token_ids"] == reference_fp32["token_ids"]
-    spec, co = out["spec"], out["carryover"]
-    assert 0 < co["carryover_lookup_rounds"] < co["carryover_draft_rounds"]
-    accepted = spec["spec_decode_num_accepted_tokens"]
-    assert co["carryover_rejected_states"] == spec["spec_decode_num_draft_tokens"] - accepted
+    co = out["carryover"]
+    assert co["carryover_lookup_rounds"] > 0
+    if answers_in_table == "all":
+        assert co["carryover_lookup_only_steps"] > 0
+    else:
+        assert co["carryover_lookup_rounds"] < co["carryover_draft_rounds"]
+    assert_rejected_states_carried(out["spec"], co)
+
+
+def assert_rejected_states_carried(spec: dict, co: dict) -> None:
+    """Every rejected state is carried into the next draft, except those verified in a
+    step whose drafts all came from lookups: it skips the drafter, and its slot is
+    replaced by an empty one, as in a K = 0 step."""
+    rejected = spec["spec_decode_num_draft_tokens"] - spec["spec_decode_num_accepted_tokens"]
+    assert 0 < co["carryover_rejected_states"] <= rejected
+    if co["carryover_lookup_only_steps"] == 0:
+        assert co["carryover_rejected_states"] == rejected
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

@@ -8,9 +8,12 @@ import torch
 from vllm_carryover.prompt_lookup import (
     PromptLookup,
     draft_lengths,
+    first_proposals,
+    lookups_suffice,
     make_lookup_probs_one_hot,
-    override_drafts,
+    one_hot_probs,
     texts_of,
+    write_drafts,
 )
 
 
@@ -30,7 +33,8 @@ def test_a_repeated_text_drafts_what_followed_and_the_rest_keeps_the_drafter() -
     repeated = np.array([5, 6, 7, 8, 9, 5, 6], dtype=np.int32)  # "5 6" was followed by 7 8 9
     fresh = np.array([1, 2, 3, 4], dtype=np.int32)
     drafts = torch.full((3, 4), -7, dtype=torch.int64)
-    from_lookup = override_drafts(drafts, [repeated, fresh, None], lookup.propose)
+    proposals = first_proposals([repeated, fresh, None], [lookup.propose], 4)
+    from_lookup = write_drafts(drafts, proposals)
     # the match's continuation runs out after 7 8 9 5 6; K = 4 takes 7 8 9 5
     assert drafts[0].tolist() == [7, 8, 9, 5]
     assert drafts[1].tolist() == drafts[2].tolist() == [-7] * 4
@@ -40,10 +44,34 @@ def test_a_repeated_text_drafts_what_followed_and_the_rest_keeps_the_drafter() -
 def test_a_short_match_leaves_the_drafters_tail() -> None:
     lookup = PromptLookup(min_n=2, max_n=4, max_model_len=1024)
     drafts = torch.full((1, 4), -7, dtype=torch.int64)
-    from_lookup = override_drafts(drafts, [np.array([3, 4, 5, 3, 4], dtype=np.int32)],
-                                  lookup.propose)
+    from_lookup = write_drafts(drafts, first_proposals(
+        [np.array([3, 4, 5, 3, 4], dtype=np.int32)], [lookup.propose], 4))
     assert drafts[0].tolist() == [5, 3, 4, -7]
     assert from_lookup[0].tolist() == [True, True, True, False]
+
+
+def test_each_request_takes_the_first_lookup_that_proposes() -> None:
+    first = {3: [7, 7]}.get  # proposes only after a 3
+    def prompt(text: np.ndarray, k: int) -> list[int]:
+        return first(int(text[-1]), [])[:k]
+    def corpus(text: np.ndarray, k: int) -> list[int]:
+        return [9] * k
+    texts = [np.array([1, 3]), np.array([1, 2]), None]
+    assert first_proposals(texts, [prompt, corpus], 3) == [[7, 7], [9, 9, 9], ()]
+
+
+def test_the_drafter_is_skipped_only_where_every_request_has_a_lookup_run() -> None:
+    assert lookups_suffice([[1], [2, 3]], k=3, rows_stay_wide=False)
+    assert not lookups_suffice([[1], []], k=3, rows_stay_wide=False)
+    # async scheduling verifies whole rows: a short run would leave the tail undrafted
+    assert not lookups_suffice([[1], [2, 3, 4]], k=3, rows_stay_wide=True)
+    assert lookups_suffice([[1, 2, 3], [2, 3, 4]], k=3, rows_stay_wide=True)
+
+
+def test_a_step_of_lookups_alone_has_one_hot_draft_probabilities() -> None:
+    probs = one_hot_probs(torch.tensor([[1, 4], [0, 0]]), vocab_size=5)
+    assert probs.shape == (2, 2, 5)
+    assert probs[0, 1].tolist() == [0, 0, 0, 0, 1] and probs[1, 0].tolist() == [1, 0, 0, 0, 0]
 
 
 def test_lookup_tokens_get_one_hot_draft_probabilities() -> None:

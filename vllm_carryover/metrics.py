@@ -35,8 +35,10 @@ COUNTERS: dict[str, str] = {
     "carryover_nonempty_slot_rounds": "Request-rounds whose draft attended to a non-empty "
     "carryover slot.",
     "carryover_rejected_states": "Rejected target states carried over into a slot.",
-    "carryover_lookup_rounds": "Request-rounds whose draft began with prompt lookup's "
-    "tokens.",
+    "carryover_lookup_rounds": "Request-rounds whose draft began with a lookup's (prompt "
+    "or corpus) tokens.",
+    "carryover_lookup_only_steps": "Steps whose drafts all came from lookups, so the "
+    "drafter's forward was skipped.",
 }
 
 
@@ -104,10 +106,12 @@ class CarryoverCounters:
         totals[2] += c.sum()
         self._publish(carried.device)
 
-    def record_lookup(self, from_lookup: torch.Tensor) -> None:
-        """Count the requests whose draft began with the prompt lookup's tokens;
-        `from_lookup` is [batch, K] bool (`prompt_lookup`)."""
-        self._totals_on(from_lookup.device)[3] += from_lookup[:, 0].sum()
+    def record_lookup(self, from_lookup: torch.Tensor, drafter_ran: bool) -> None:
+        """Count the requests whose draft began with a lookup's tokens, and the step if
+        the drafter did not run; `from_lookup` is [batch, K] bool (`prompt_lookup`)."""
+        totals = self._totals_on(from_lookup.device)
+        totals[3] += from_lookup[:, 0].sum()
+        totals[4] += int(not drafter_ran)
         self._publish(from_lookup.device)
 
     def _totals_on(self, device: torch.device) -> torch.Tensor:

@@ -53,19 +53,35 @@ class PromptLookup:
         return self._match(text, self.min_n, self.max_n, self.max_model_len, k)
 
 
-def override_drafts(drafts: torch.Tensor, texts: list[np.ndarray | None],
-                    propose: Propose) -> torch.Tensor:
-    """Replace (in place) the leading tokens of each request's draft row with a lookup's
-    proposal over its text (None: leave the row); returns [batch, K] bool, True where a
-    draft token came from the lookup."""
+def first_proposals(texts: list[np.ndarray | None], lookups: list[Propose], k: int
+                    ) -> list[Sequence[int]]:
+    """Each request's proposal of at most `k` tokens from the first of `lookups` that
+    has one for its text (empty where none has, or where the text is None)."""
+    out: list[Sequence[int]] = []
+    for text in texts:
+        found: Sequence[int] = ()
+        for propose in lookups if text is not None else ():
+            if len(found := propose(text, k)):
+                break
+        out.append(found)
+    return out
+
+
+def lookups_suffice(proposals: list[Sequence[int]], k: int, rows_stay_wide: bool) -> bool:
+    """Whether a step's drafts can all come from the lookups, so that the drafter's
+    forward is skipped: every request has a proposal, of all K tokens where rows stay
+    K wide (async scheduling verifies the row's tail too)."""
+    need = k if rows_stay_wide else 1
+    return all(len(p) >= need for p in proposals)
+
+
+def write_drafts(drafts: torch.Tensor, proposals: list[Sequence[int]]) -> torch.Tensor:
+    """Put (in place) each request's proposal into the leading tokens of its draft row
+    [batch, K]; returns [batch, K] bool, True where a draft token came from a lookup."""
     import torch
 
-    k = drafts.shape[1]
     from_lookup = torch.zeros(drafts.shape, dtype=torch.bool)
-    for i, text in enumerate(texts):
-        if text is None:
-            continue
-        found = propose(text, k)
+    for i, found in enumerate(proposals):
         if len(found):
             drafts[i, : len(found)] = torch.as_tensor(np.asarray(found, dtype=np.int64))
             from_lookup[i, : len(found)] = True
@@ -88,6 +104,15 @@ def texts_of(token_ids: np.ndarray, num_tokens: np.ndarray, sampled: torch.Tenso
         out.append(np.concatenate((token_ids[i, : num_tokens[i]],
                                    row[row >= 0].astype(token_ids.dtype))))
     return out
+
+
+def one_hot_probs(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The draft distributions [batch, K, V] of a step whose drafts are all lookup
+    tokens: one-hot at each (what rejection sampling needs for deterministic drafts)."""
+    import torch
+
+    probs = torch.zeros((*drafts.shape, vocab_size), dtype=torch.float32, device=drafts.device)
+    return probs.scatter_(-1, drafts.long().unsqueeze(-1), 1.0)
 
 
 def make_lookup_probs_one_hot(probs: torch.Tensor, drafts: torch.Tensor,

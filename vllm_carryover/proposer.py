@@ -16,8 +16,9 @@ continuation (`corpus_lookup`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from typing_extensions import override
@@ -37,14 +38,20 @@ from vllm_carryover.prompt_lookup import (
     PromptLookup,
     Propose,
     draft_lengths,
+    first_proposals,
+    lookups_suffice,
     make_lookup_probs_one_hot,
-    override_drafts,
+    one_hot_probs,
     texts_of,
+    write_drafts,
 )
 from vllm_carryover.slot_table import ENV_CHECK, SlotTable, checks_enabled, round_slots
 from vllm_carryover.speculative_config import CarryoverSettings
 from vllm_carryover.step_timer import StepTimer
 from vllm_carryover.vllm_drafter import ARCHITECTURE
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
 
@@ -83,6 +90,9 @@ class CarryoverProposer(DFlashProposer):
                         "block left to right.", markov)
         # each a `propose(text, K)`, tried in this order for the requests not yet matched
         self.lookups: list[Propose] = []
+        # async scheduling verifies whole K-wide rows; sync keeps `kept_drafts`' lengths
+        self._rows_stay_wide = bool(vllm_config.scheduler_config.async_scheduling)
+        self._vocab_size = vllm_config.model_config.get_vocab_size()
         self._sampled: tuple[torch.Tensor, torch.Tensor] | None = None  # for the lookups
         self._draft_lengths: dict[str, int] | None = None  # this round's, set by the lookups
         if self.settings.prompt_lookup:
@@ -108,11 +118,26 @@ class CarryoverProposer(DFlashProposer):
         return drafts
 
     def _draft(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if kwargs.get("num_speculative_tokens") == 0:
+        k = kwargs.get("num_speculative_tokens")
+        if k == 0:
             return self._keep_context_only(**kwargs)
-        drafts = super().propose(*args, **kwargs)
-        if self.lookups:
-            self._look_up(drafts)
+        if not self.lookups:
+            return super().propose(*args, **kwargs)
+        cad: CommonAttentionMetadata = kwargs["common_attn_metadata"]
+        proposals = first_proposals(self._texts(cad.batch_size()), self.lookups, k)
+        if not lookups_suffice(proposals, k, self._rows_stay_wide):
+            drafts = super().propose(*args, **kwargs)
+            self._use_lookups(drafts, proposals, drafter_ran=True)
+            return drafts
+        # Every request drafts a lookup's tokens: the drafter's forward would only be
+        # overwritten, so the step just stores the new context, as a K = 0 step does.
+        self._keep_context_only(**kwargs)
+        drafts = torch.zeros((len(proposals), k), dtype=torch.int64,
+                             device=kwargs["target_hidden_states"].device)
+        self._use_lookups(drafts, proposals, drafter_ran=False)
+        if self._enable_probabilistic_draft_probs and not kwargs["sampling_metadata"].all_greedy:
+            # else the runner would verify these drafts against an older step's probs
+            self._last_draft_probs = one_hot_probs(drafts, self._vocab_size)
         return drafts
 
     @override
@@ -125,25 +150,26 @@ class CarryoverProposer(DFlashProposer):
         return super().prepare_next_token_ids_padded(
             sampled_token_ids, requests, gpu_input_batch, discard_request_mask)
 
-    def _look_up(self, drafts: torch.Tensor) -> None:
-        """Put the lookups' proposals into `drafts` [batch, K] (in place): the prompt
-        lookup's, else the corpus lookup's; and their one-hot distributions into the
-        draft probabilities if sampling uses them."""
+    def _texts(self, num_reqs: int) -> list[np.ndarray | None]:
+        """Each request's text as this step's drafts continue it (`texts_of`)."""
         assert self._sampled is not None
         sampled, discarded = self._sampled
         batch = self._runner.input_batch
-        texts = texts_of(batch.token_ids_cpu, batch.num_tokens_no_spec,
-                         sampled[: drafts.shape[0]], discarded)
-        from_lookup = torch.zeros(drafts.shape, dtype=torch.bool, device=drafts.device)
-        for propose in self.lookups:  # each for the requests the ones before left unmatched
-            matched = from_lookup.any(dim=1).tolist()
-            rest = [None if m else t for t, m in zip(texts, matched, strict=True)]
-            from_lookup |= override_drafts(drafts, rest, propose)
+        return texts_of(batch.token_ids_cpu, batch.num_tokens_no_spec, sampled[:num_reqs],
+                        discarded)
+
+    def _use_lookups(self, drafts: torch.Tensor, proposals: list[Sequence[int]],
+                     drafter_ran: bool) -> None:
+        """Put the lookups' proposals into `drafts` [batch, K] (in place), with their
+        one-hot distributions where sampling uses the drafter's, and keep each
+        request's draft length for `kept_drafts`."""
+        from_lookup = write_drafts(drafts, proposals)
         if self._last_draft_probs is not None:
             make_lookup_probs_one_hot(self._last_draft_probs, drafts, from_lookup)
-        self.counters.record_lookup(from_lookup)
+        self.counters.record_lookup(from_lookup, drafter_ran)
         lengths = draft_lengths(from_lookup, self.settings.prompt_lookup_drafter_k)
-        self._draft_lengths = dict(zip(batch.req_ids[: drafts.shape[0]], lengths, strict=True))
+        req_ids = self._runner.input_batch.req_ids[: drafts.shape[0]]
+        self._draft_lengths = dict(zip(req_ids, lengths, strict=True))
 
     def kept_drafts(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
         """The drafts the runner hands the scheduler (vLLM's synchronous scheduling, the
