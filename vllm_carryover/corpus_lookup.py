@@ -3,9 +3,8 @@
 A small target writes the same phrases again and again ("Here is a", "I'm sorry,
 but", a code idiom). The table holds, for every context of 2 to 5 tokens in the
 target's responses to the training prompts, its most frequent next token, where
-that token was seen at least `MIN_COUNT` times, a majority of the context's
-continuations or not (the best guess there is; a wrong draft costs one verify row).
-It drafts a chain: the continuation of the
+that token is confident (seen at least `MIN_COUNT` times, and at least `MIN_SHARE`
+of that context's continuations). It drafts a chain: the continuation of the
 longest known context of the text's end, then of that text plus the new token, and
 so on, until no context is known. Offline, on the held-out responses, this walks
 1.54 tokens per step, as many as the shipped drafter, and prompt lookup, then the
@@ -25,7 +24,8 @@ import numpy as np
 
 CORPUS_FILE = "corpus_table.npz"  # in the drafter folder
 MIN_N, MAX_N = 2, 5  # context lengths, the longest tried first
-MIN_COUNT = 2  # a continuation seen fewer times is not proposed
+MIN_COUNT = 2  # a continuation seen fewer times is not proposed ...
+MIN_SHARE = 0.5  # ... nor one that is not this share of its context's continuations
 
 
 class CorpusTable:
@@ -53,9 +53,11 @@ class CorpusTable:
             # pairs are sorted by context, then next token: one group per context
             starts = np.r_[True, (pairs[1:, :n] != pairs[:-1, :n]).any(1)]
             group = np.cumsum(starts) - 1
+            total = np.bincount(group, weights=counts)
             order = np.lexsort((-counts, group))  # each group's most frequent next first
             best = order[np.r_[True, group[order][1:] != group[order][:-1]]]
-            keep = best[counts[best] >= MIN_COUNT]
+            keep = best[(counts[best] >= MIN_COUNT)
+                        & (counts[best] >= MIN_SHARE * total[group[best]])]
             next_token.update(zip(map(tuple, pairs[keep, :n].tolist()),
                                   pairs[keep, n].tolist(), strict=True))
         return cls(next_token)
