@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.de
                                   delta.get("vllm:carryover_draft_rounds_total", 0)))
     if a.prompt_lookup:
         print("prompt and corpus lookup: {:.0f} of those rounds drafted repeated text or "
-              "the target's usual phrases".format(
-                  delta.get("vllm:carryover_lookup_rounds_total", 0)))
+              "the target's usual phrases; {:.0f} steps drafted from them alone and skipped "
+              "the drafter".format(delta.get("vllm:carryover_lookup_rounds_total", 0),
+                                   delta.get("vllm:carryover_lookup_only_steps_total", 0)))
     plain_tps, tps = plain_tokens / plain_s, tokens / seconds
     print(f"output speed, one request at a time: {tps:.1f} tok/s with carryover vs "
           f"{plain_tps:.1f} tok/s without speculation = {tps / plain_tps:.2f}x")

@@ -7,7 +7,9 @@ that drafts long runs that are right; elsewhere it proposes nothing. The
 drafter drafts everywhere, in short runs. With `"prompt_lookup": true` a
 carryover step takes the lookup's proposal for each request that has one and
 the drafter's first `prompt_lookup_drafter_k` tokens for the others
-(`draft_lengths`; measured in docs/results.md, session 26).
+(`draft_lengths`; measured in docs/results.md, session 26). The lookups run first:
+a step in which every request has a lookup run skips the drafter's forward
+(`lookups_suffice`; two steps in three at batch 1, session 28).
 
 Sampling stays exact: a lookup token is a deterministic proposal, so its draft
 distribution is one-hot (what vLLM's rejection sampler assumes for n-gram
