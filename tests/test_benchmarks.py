@@ -23,13 +23,26 @@ MAX_TOKENS = 16
 CATEGORIES = ("chat", "code", "math", "translation", "general")
 
 
-def vllm_serve_pids() -> set[int]:
-    """Processes of `vllm serve` (API server and engine core) on this machine."""
+@pytest.fixture
+def server_tag(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
+    """An environment variable only this test's servers inherit: the suite runs tests
+    in parallel, so other tests' servers may be up at the same time."""
+    monkeypatch.setenv("VLLM_CARRYOVER_TEST_TAG", str(tmp_path))
+    return str(tmp_path)
+
+
+def vllm_serve_pids(tag: str) -> set[int]:
+    """Live processes of `vllm serve` (API server and engine core) this test started."""
     out = set()
-    for p in psutil.process_iter(["cmdline", "name"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "vllm serve" in cmd or "VLLM::EngineCore" in (p.info["name"] or "") + cmd:
-            out.add(p.pid)
+    for p in psutil.process_iter(["cmdline", "name", "status"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            is_vllm = "vllm serve" in cmd or "VLLM::EngineCore" in (p.info["name"] or "") + cmd
+            if (is_vllm and p.info["status"] != psutil.STATUS_ZOMBIE
+                    and p.environ().get("VLLM_CARRYOVER_TEST_TAG") == tag):
+                out.add(p.pid)
+        except psutil.Error:
+            continue
     return out
 
 
@@ -76,15 +89,14 @@ def test_acceptance_quick_result_has_tau_positions_and_speed_per_category(
 
 
 def test_serving_quick_result_has_ratios_to_no_speculation_and_stops_servers(
-        tmp_path: Path, smollm2: Path) -> None:
-    before = vllm_serve_pids()
+        tmp_path: Path, smollm2: Path, server_tag: str) -> None:
     benchmarks_main(["serving", "--quick", "--row", "none", "--row", CARRYOVER,
                      "--num-prompts", "1", "--max-tokens", str(MAX_TOKENS),
                      "--concurrency", "1,4", "--repeats", "2", "--warmup-runs", "1",
                      "-k", str(K), "--out", str(tmp_path)])
     result = json.loads((tmp_path / "serving.json").read_text())
 
-    assert vllm_serve_pids() <= before
+    assert not vllm_serve_pids(server_tag)
     assert {"date", "command", "machine", "args", "runs", "table", "goals", "summary",
             "plots"} <= set(result)
     assert result["args"]["num_prompts"] == len(CATEGORIES)
@@ -106,6 +118,7 @@ def test_serving_quick_result_has_ratios_to_no_speculation_and_stops_servers(
         assert sum(run["ttfts_ms"]) / len(run["ttfts_ms"]) == pytest.approx(
             run["mean_ttft_ms"], abs=0.1)
         assert (run["drafts"] > 0) == (run["row"] == "carryover")
+        assert 0 <= run["lookup_only_steps"] <= run["drafts"]
     for c in ("1", "4"):
         assert result["table"]["none"][c]["vs_none"]["output_throughput"] == 1.0
         cell = result["table"]["carryover"][c]
@@ -120,15 +133,14 @@ def test_serving_quick_result_has_ratios_to_no_speculation_and_stops_servers(
 
 
 def test_serving_stops_every_server_when_a_later_one_fails_to_start(
-        tmp_path: Path, smollm2: Path) -> None:
+        tmp_path: Path, smollm2: Path, server_tag: str) -> None:
     broken = tmp_path / "broken-drafter"
     shutil.copytree(SHIPPED_DRAFTERS / "carryover", broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated: refused at startup
-    before = vllm_serve_pids()
     with pytest.raises(RuntimeError, match="row broken: vllm serve did not start"):
         benchmarks_main(["serving", "--quick", "--row", "none",
                          "--row", f"broken=carryover:{broken}", "--num-prompts", "1",
                          "--out", str(tmp_path / "out")])
-    assert vllm_serve_pids() <= before
+    assert not vllm_serve_pids(server_tag)
     assert "Application startup complete" in (tmp_path / "out/logs/none.log").read_text()

@@ -28,6 +28,13 @@ def test_the_corpus_lookup_chains_the_targets_confident_continuations() -> None:
     assert table.propose([5, 1, 2], 1) == [3]
 
 
+def test_a_looser_rule_keeps_the_most_frequent_continuation_whatever_its_share() -> None:
+    table = CorpusTable.build(TEXTS, min_share=0)
+    assert table.propose([5, 6], 3) == [7]  # 7 twice in five: no majority, yet the most
+    assert table.propose([7, 1], 3) == []  # seen once: still below min_count 2
+    assert CorpusTable.build(TEXTS, min_count=1, min_share=0).propose([7, 1], 1) == [2]
+
+
 def test_the_headroom_walk_gets_the_corpus_drafts_of_every_anchor() -> None:
     table = CorpusTable.build(TEXTS)
     drafts, proposed = anchored_drafts(torch.tensor([5, 1, 2, 3, 4]), start=1, num_drafts=2,

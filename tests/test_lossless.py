@@ -171,6 +171,20 @@ def test_prompt_lookup_drafts_where_text_repeats_and_stays_identical(
     assert_rejected_states_carried(out["spec"], co)
 
 
+def test_lookups_alone_with_drafter_k_0_skip_the_drafter_and_stay_identical(
+        smollm2, prompts, trained_drafter, reference_fp32, tmp_path):
+    """`"prompt_lookup_drafter_k": 0`: a request without a lookup run keeps none of the
+    drafter's tokens, so no step needs the drafter's forward; every step stores the new
+    context only, and no slot is ever filled."""
+    out = generate(smollm2, prompts, tmp_path, "lookups-alone", trained_drafter,
+                   prompt_lookup=True, prompt_lookup_drafter_k=0)
+    assert out["token_ids"] == reference_fp32["token_ids"]
+    co, spec = out["carryover"], out["spec"]
+    assert co["carryover_lookup_only_steps"] > 0 and co["carryover_lookup_rounds"] > 0
+    assert co["carryover_nonempty_slot_rounds"] == 0
+    assert 0 < spec["spec_decode_num_drafts"] <= co["carryover_lookup_rounds"]
+
+
 @pytest.mark.parametrize("answers_in_table", ["half", "all"])
 def test_corpus_lookup_drafts_the_targets_usual_phrases_and_stays_identical(
         smollm2, prompts, trained_drafter, reference_fp32, tmp_path, answers_in_table):

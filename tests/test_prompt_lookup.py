@@ -60,12 +60,15 @@ def test_each_request_takes_the_first_lookup_that_proposes() -> None:
     assert first_proposals(texts, [prompt, corpus], 3) == [[7, 7], [9, 9, 9], ()]
 
 
-def test_the_drafter_is_skipped_only_where_every_request_has_a_lookup_run() -> None:
-    assert lookups_suffice([[1], [2, 3]], k=3, rows_stay_wide=False)
-    assert not lookups_suffice([[1], []], k=3, rows_stay_wide=False)
+def test_the_drafter_is_skipped_where_no_request_keeps_its_tokens() -> None:
+    assert lookups_suffice([[1], [2, 3]], k=3, rows_stay_wide=False, drafter_k=1)
+    assert not lookups_suffice([[1], []], k=3, rows_stay_wide=False, drafter_k=1)
+    # a request without a proposal keeps none of the drafter's tokens with drafter_k 0
+    assert lookups_suffice([[1], []], k=3, rows_stay_wide=False, drafter_k=0)
     # async scheduling verifies whole rows: a short run would leave the tail undrafted
-    assert not lookups_suffice([[1], [2, 3, 4]], k=3, rows_stay_wide=True)
-    assert lookups_suffice([[1, 2, 3], [2, 3, 4]], k=3, rows_stay_wide=True)
+    assert not lookups_suffice([[1], [2, 3, 4]], k=3, rows_stay_wide=True, drafter_k=None)
+    assert not lookups_suffice([[1], [2, 3, 4]], k=3, rows_stay_wide=True, drafter_k=0)
+    assert lookups_suffice([[1, 2, 3], [2, 3, 4]], k=3, rows_stay_wide=True, drafter_k=None)
 
 
 def test_a_step_of_lookups_alone_has_one_hot_draft_probabilities() -> None:

@@ -27,6 +27,8 @@ from vllm_carryover.train.prompts import MAX_PROMPT_TOKENS, Prompt, prompt_token
 from vllm_carryover.dtype import resolve_dtype
 
 if TYPE_CHECKING:
+    import argparse
+
     from vllm_carryover.corpus_lookup import CorpusTable
 
 # Re-exported: the dataset's reader API.
@@ -50,12 +52,25 @@ def response_token_counts(folder: Path, vocab_size: int) -> Any:
                          if r["split"] == "train"), vocab_size)
 
 
-def corpus_table(folder: Path) -> CorpusTable:
-    """The corpus lookup's table of the train split's responses (held-out stay unseen)."""
+def corpus_table(folder: Path, **rule: Any) -> CorpusTable:
+    """The corpus lookup's table of the train split's responses (held-out stay unseen);
+    `rule`: `CorpusTable.build`'s min_count and min_share."""
     from vllm_carryover.corpus_lookup import CorpusTable
 
     return CorpusTable.build([(r["prompt_ids"], r["response_ids"])
-                              for r in load_samples(folder, "train")])
+                              for r in load_samples(folder, "train")], **rule)
+
+
+def add_corpus_rule_options(p: argparse.ArgumentParser) -> None:
+    """Which continuations the corpus table keeps (`corpus-table`, `lookup-headroom`)."""
+    from vllm_carryover.corpus_lookup import MIN_COUNT, MIN_SHARE
+
+    p.add_argument("--min-count", type=int, default=MIN_COUNT,
+                   help="keep a context's most frequent continuation only if seen this "
+                   "often (default: %(default)s)")
+    p.add_argument("--min-share", type=float, default=MIN_SHARE,
+                   help="... and only if it is this share of the context's continuations "
+                   "(default: %(default)s; 0 keeps the most frequent whatever its share)")
 
 
 def answer(folder: Path, target: str, *, max_tokens: int, shard_size: int,

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import argparse
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from vllm_carryover.train.data import add_corpus_rule_options
 from vllm_carryover.train.headroom import add_drafter_options, load_drafter, print_table
 
 from vllm_carryover.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, PromptLookup, Propose
@@ -56,10 +57,10 @@ def anchored_drafts(tokens: torch.Tensor, start: int, num_drafts: int,
     return drafts, (drafts != NO_DRAFT).any(-1)
 
 
-def lookup_headroom(target: str, init: str, data: str, chunk: int = 64
+def lookup_headroom(target: str, init: str, data: str, chunk: int = 64, **corpus_rule: Any
                     ) -> dict[str, dict[str, float]]:
     """Per category (and "all"): each policy's walked tau and the lookup's share of the
-    `both` walk's steps."""
+    `both` walk's steps; `corpus_rule`: the corpus table's min_count and min_share."""
     import torch
     from tqdm import tqdm
     from vllm_carryover.train.baseline import greedy_blocks, load_sequences, sequence_feed
@@ -76,7 +77,7 @@ def lookup_headroom(target: str, init: str, data: str, chunk: int = 64
     feed = sequence_feed(place, layer_ids, truncated_decoder(
         target, max(layer_ids), place.dtype, place.device))
     seqs = load_sequences(target, data, layer_ids, cached=False)["heldout"]
-    corpus = corpus_table(data_dir(data))
+    corpus = corpus_table(data_dir(data), **corpus_rule)
     vllm_lookup = PromptLookup(DEFAULT_MIN_N, DEFAULT_MAX_N, 1 << 30).propose  # vLLM's matcher
     walks: dict[str, dict[str, WalkStats]] = defaultdict(
         lambda: {p: WalkStats() for p in POLICIES})
@@ -110,6 +111,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "lookup-headroom", help="what prompt lookup and the drafter could do together",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_drafter_options(p)
+    add_corpus_rule_options(p)
     p.set_defaults(fn=_run)
 
 
@@ -118,5 +120,6 @@ def _run(a: argparse.Namespace) -> None:
     from vllm_carryover.train.paths import default_target
 
     torch.set_num_threads(a.threads)
-    print_table(lookup_headroom(a.target or default_target(), a.init, a.data),
+    print_table(lookup_headroom(a.target or default_target(), a.init, a.data,
+                                min_count=a.min_count, min_share=a.min_share),
                 [*POLICIES, "both_steps", "lookup_share"], a.out)

@@ -66,7 +66,7 @@ def cmd_corpus_table(a: argparse.Namespace) -> None:
 
     from vllm_carryover.corpus_lookup import CORPUS_FILE
 
-    table = corpus_table(data_dir(a.data))
+    table = corpus_table(data_dir(a.data), min_count=a.min_count, min_share=a.min_share)
     path = Path(a.drafter) / CORPUS_FILE
     table.save(path)
     print(f"{len(table):,} contexts from the train responses of {a.data}", file=sys.stderr)
@@ -182,13 +182,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
     t = sub.add_parser(
         "corpus-table", help="the corpus lookup's table, written into a drafter folder",
         description="What the target most often wrote after each context of 2-5 tokens in "
-        "the dataset's train responses, where that is confident (seen twice or more, and "
-        "half of that context's continuations or more), written to the drafter folder as "
-        "corpus_table.npz. Serving with \"corpus_lookup\": true drafts its chains "
+        "the dataset's train responses, where that is confident (by default seen twice or "
+        "more, and half of that context's continuations or more), written to the drafter "
+        "folder as corpus_table.npz. Serving with \"corpus_lookup\": true drafts its chains "
         "(vllm_carryover/corpus_lookup.py).")
     t.add_argument("--drafter", required=True, help="drafter folder to write the table into")
     t.add_argument("--data", default=DEFAULT_DATA,
                    help="dataset whose train responses make the table (default: %(default)s)")
+    data.add_corpus_rule_options(t)
     t.set_defaults(fn=cmd_corpus_table)
 
     vllm_eval.add_cli(sub)

@@ -38,9 +38,12 @@ class CorpusTable:
         return len(self.next_token)
 
     @classmethod
-    def build(cls, texts: Sequence[tuple[Sequence[int], Sequence[int]]]) -> CorpusTable:
+    def build(cls, texts: Sequence[tuple[Sequence[int], Sequence[int]]],
+              min_count: int = MIN_COUNT, min_share: float = MIN_SHARE) -> CorpusTable:
         """From (prompt ids, response ids) pairs: only response tokens are predicted,
-        from contexts that may reach back into the prompt's last tokens."""
+        from contexts that may reach back into the prompt's last tokens. A context's most
+        frequent continuation is kept if seen `min_count` times and `min_share` of the
+        context's continuations (the defaults are the shipped table's rule)."""
         from numpy.lib.stride_tricks import sliding_window_view
 
         next_token: dict[tuple[int, ...], int] = {}
@@ -56,8 +59,8 @@ class CorpusTable:
             total = np.bincount(group, weights=counts)
             order = np.lexsort((-counts, group))  # each group's most frequent next first
             best = order[np.r_[True, group[order][1:] != group[order][:-1]]]
-            keep = best[(counts[best] >= MIN_COUNT)
-                        & (counts[best] >= MIN_SHARE * total[group[best]])]
+            keep = best[(counts[best] >= min_count)
+                        & (counts[best] >= min_share * total[group[best]])]
             next_token.update(zip(map(tuple, pairs[keep, :n].tolist()),
                                   pairs[keep, n].tolist(), strict=True))
         return cls(next_token)

@@ -69,12 +69,15 @@ def first_proposals(texts: list[np.ndarray | None], lookups: list[Propose], k: i
     return out
 
 
-def lookups_suffice(proposals: list[Sequence[int]], k: int, rows_stay_wide: bool) -> bool:
+def lookups_suffice(proposals: list[Sequence[int]], k: int, rows_stay_wide: bool,
+                    drafter_k: int | None) -> bool:
     """Whether a step's drafts can all come from the lookups, so that the drafter's
     forward is skipped: every request has a proposal, of all K tokens where rows stay
-    K wide (async scheduling verifies the row's tail too)."""
-    need = k if rows_stay_wide else 1
-    return all(len(p) >= need for p in proposals)
+    K wide (async scheduling verifies the row's tail too), or keeps none of the
+    drafter's tokens anyway (`drafter_k` 0: see `draft_lengths`)."""
+    if rows_stay_wide:
+        return all(len(p) >= k for p in proposals)
+    return drafter_k == 0 or all(len(p) for p in proposals)
 
 
 def write_drafts(drafts: torch.Tensor, proposals: list[Sequence[int]]) -> torch.Tensor:
@@ -109,8 +112,8 @@ def texts_of(token_ids: np.ndarray, num_tokens: np.ndarray, sampled: torch.Tenso
 
 
 def one_hot_probs(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The draft distributions [batch, K, V] of a step whose drafts are all lookup
-    tokens: one-hot at each (what rejection sampling needs for deterministic drafts)."""
+    """The draft distributions [..., V] of lookup tokens [...]: one-hot at each (what
+    rejection sampling needs for deterministic drafts)."""
     import torch
 
     probs = torch.zeros((*drafts.shape, vocab_size), dtype=torch.float32, device=drafts.device)
@@ -123,8 +126,7 @@ def make_lookup_probs_one_hot(probs: torch.Tensor, drafts: torch.Tensor,
     one-hot at that token."""
     flat = probs.view(-1, probs.shape[-1])
     rows = from_lookup.flatten().nonzero().squeeze(1)
-    flat[rows] = 0
-    flat[rows, drafts.flatten()[rows].long()] = 1
+    flat[rows] = one_hot_probs(drafts.flatten()[rows], probs.shape[-1])
 
 
 def draft_lengths(from_lookup: torch.Tensor, drafter_k: int | None) -> list[int]:

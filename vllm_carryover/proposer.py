@@ -125,7 +125,8 @@ class CarryoverProposer(DFlashProposer):
             return super().propose(*args, **kwargs)
         cad: CommonAttentionMetadata = kwargs["common_attn_metadata"]
         proposals = first_proposals(self._texts(cad.batch_size()), self.lookups, k)
-        if not lookups_suffice(proposals, k, self._rows_stay_wide):
+        if not lookups_suffice(proposals, k, self._rows_stay_wide,
+                               self.settings.prompt_lookup_drafter_k):
             drafts = super().propose(*args, **kwargs)
             self._use_lookups(drafts, proposals, drafter_ran=True)
             return drafts

@@ -39,7 +39,8 @@ CARRYOVER_KEYS: dict[str, str] = {
     "prompt_lookup_max": f"with prompt_lookup, the longest n-gram to match (default: "
     f"{DEFAULT_MAX_N})",
     "prompt_lookup_drafter_k": "with prompt_lookup or corpus_lookup, how many of the "
-    "drafter's tokens a request without a match drafts (default: num_speculative_tokens)",
+    "drafter's tokens a request without a match drafts (0: none, and the drafter never "
+    "runs; default: num_speculative_tokens)",
     "corpus_lookup": f"true: where the drafter folder's {CORPUS_FILE} (what the target most "
     "often wrote after the same 2-5 tokens; `python -m train corpus-table`) continues the "
     "request's text, draft that chain; after prompt_lookup's match, before the drafter "
