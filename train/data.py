@@ -24,12 +24,11 @@ from vllm_carryover.train import dataset_store as store
 from vllm_carryover.train.answerer import Answerer, engine_kwargs
 from vllm_carryover.train.prompts import MAX_PROMPT_TOKENS, Prompt, prompt_token_ids
 
+from vllm_carryover.corpus_lookup import MIN_COUNT, MIN_SHARE, CorpusTable
 from vllm_carryover.dtype import resolve_dtype
 
 if TYPE_CHECKING:
     import argparse
-
-    from vllm_carryover.corpus_lookup import CorpusTable
 
 # Re-exported: the dataset's reader API.
 load_manifest = store.load_manifest
@@ -52,19 +51,17 @@ def response_token_counts(folder: Path, vocab_size: int) -> Any:
                          if r["split"] == "train"), vocab_size)
 
 
-def corpus_table(folder: Path, **rule: Any) -> CorpusTable:
+def corpus_table(folder: Path, min_count: int = MIN_COUNT,
+                 min_share: float = MIN_SHARE) -> CorpusTable:
     """The corpus lookup's table of the train split's responses (held-out stay unseen);
-    `rule`: `CorpusTable.build`'s min_count and min_share."""
-    from vllm_carryover.corpus_lookup import CorpusTable
-
+    `min_count` / `min_share`: which continuations it keeps."""
     return CorpusTable.build([(r["prompt_ids"], r["response_ids"])
-                              for r in load_samples(folder, "train")], **rule)
+                              for r in load_samples(folder, "train")],
+                             min_count=min_count, min_share=min_share)
 
 
 def add_corpus_rule_options(p: argparse.ArgumentParser) -> None:
     """Which continuations the corpus table keeps (`corpus-table`, `lookup-headroom`)."""
-    from vllm_carryover.corpus_lookup import MIN_COUNT, MIN_SHARE
-
     p.add_argument("--min-count", type=int, default=MIN_COUNT,
                    help="keep a context's most frequent continuation only if seen this "
                    "often (default: %(default)s)")

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import argparse
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm_carryover.train.data import add_corpus_rule_options
 from vllm_carryover.train.headroom import add_drafter_options, load_drafter, print_table
 
+from vllm_carryover.corpus_lookup import MIN_COUNT, MIN_SHARE
 from vllm_carryover.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, PromptLookup, Propose
 
 if TYPE_CHECKING:
@@ -57,10 +58,11 @@ def anchored_drafts(tokens: torch.Tensor, start: int, num_drafts: int,
     return drafts, (drafts != NO_DRAFT).any(-1)
 
 
-def lookup_headroom(target: str, init: str, data: str, chunk: int = 64, **corpus_rule: Any
+def lookup_headroom(target: str, init: str, data: str, chunk: int = 64,
+                    min_count: int = MIN_COUNT, min_share: float = MIN_SHARE
                     ) -> dict[str, dict[str, float]]:
     """Per category (and "all"): each policy's walked tau and the lookup's share of the
-    `both` walk's steps; `corpus_rule`: the corpus table's min_count and min_share."""
+    `both` walk's steps; `min_count` / `min_share`: the corpus table's rule."""
     import torch
     from tqdm import tqdm
     from vllm_carryover.train.baseline import greedy_blocks, load_sequences, sequence_feed
@@ -77,7 +79,7 @@ def lookup_headroom(target: str, init: str, data: str, chunk: int = 64, **corpus
     feed = sequence_feed(place, layer_ids, truncated_decoder(
         target, max(layer_ids), place.dtype, place.device))
     seqs = load_sequences(target, data, layer_ids, cached=False)["heldout"]
-    corpus = corpus_table(data_dir(data), **corpus_rule)
+    corpus = corpus_table(data_dir(data), min_count, min_share)
     vllm_lookup = PromptLookup(DEFAULT_MIN_N, DEFAULT_MAX_N, 1 << 30).propose  # vLLM's matcher
     walks: dict[str, dict[str, WalkStats]] = defaultdict(
         lambda: {p: WalkStats() for p in POLICIES})
