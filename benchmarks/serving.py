@@ -153,6 +153,8 @@ def bench_once(server: VllmServer, target: str, prompts: Path, num_prompts: int,
             "accepted": accepted,
             # steps whose drafts all came from lookups, so the drafter did not run
             "lookup_only_steps": moved("vllm:carryover_lookup_only_steps_total"),
+            # ... of which some request had no lookup run but the drafter gate said off
+            "gated_off_steps": moved("vllm:carryover_drafter_gated_off_steps_total"),
             "tau": round(1 + accepted / drafts, 4) if drafts else None,
             # per request, in the order sent: a burst's first tokens can be told apart
             "ttfts_ms": [round(t * 1000, 1) for t in raw["ttfts"]]}
@@ -162,7 +164,7 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean of each metric over the repeats; counters summed; tau of the sums."""
     out: dict[str, Any] = {m: round(sum(r[m] for r in runs) / len(runs), 3) for m in METRICS}
     for key in ("completed", "failed", "output_tokens", "drafts", "accepted",
-                "lookup_only_steps"):
+                "lookup_only_steps", "gated_off_steps"):
         out[key] = sum(r[key] for r in runs)
     out["tau"] = round(1 + out["accepted"] / out["drafts"], 4) if out["drafts"] else None
     out["repeats"] = len(runs)
@@ -203,7 +205,7 @@ def summary_markdown(result: dict[str, Any]) -> str:
     skips = any(cell.get("lookup_only_steps") for row in table.values()
                 for cell in row.values())
     if skips:
-        head += ["lookup-only steps / drafts"]
+        head += ["lookup-only steps (gated off) / drafts"]
     lines = []
     for c in args["concurrency"]:
         for name in names:
@@ -214,8 +216,8 @@ def summary_markdown(result: dict[str, Any]) -> str:
             if base:
                 line += [fmt(cell["vs_" + base][m], 2) for m in METRICS]
             if skips:
-                line.append(f"{cell['lookup_only_steps']} / {cell['drafts']}"
-                            if cell["drafts"] else "-")
+                line.append(f"{cell['lookup_only_steps']} ({cell['gated_off_steps']}) / "
+                            f"{cell['drafts']}" if cell["drafts"] else "-")
             lines.append(line)
     runs = ", ".join(f"{n} at c={c}" for c, n in args["requests_per_run"].items())
     parts = [f"### serving: requests per run {runs} (from {args['num_prompts']} held-out "

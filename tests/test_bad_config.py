@@ -139,7 +139,7 @@ class BadInput:
 
 
 LOOKUP_OFF = {"prompt_lookup": False, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
-              "prompt_lookup_drafter_k": None, "corpus_lookup": False}
+              "prompt_lookup_drafter_k": None, "corpus_lookup": False, "drafter_gate": True}
 
 BAD_INPUTS: dict[str, BadInput] = {
     # the speculative config itself
@@ -179,6 +179,8 @@ BAD_INPUTS: dict[str, BadInput] = {
     "prompt_lookup_drafter_k_above_k": BadInput(
         ("'prompt_lookup_drafter_k' (5) is above num_speculative_tokens (4); use 0..4",),
         spec={"prompt_lookup": True, "prompt_lookup_drafter_k": 5}),
+    "drafter_gate_not_bool": BadInput(("'drafter_gate' must be true or false, got 0",),
+                                      spec={"drafter_gate": 0}),
     "corpus_lookup_not_bool": BadInput(("'corpus_lookup' must be true or false, got 'yes'",),
                                        spec={"corpus_lookup": "yes"}),
     "corpus_lookup_without_its_table": BadInput(
@@ -354,7 +356,8 @@ def test_prompt_lookup_reaches_the_workers_with_its_ngram_lengths(smollm2, rando
                                               prompt_lookup_max=3, prompt_lookup_drafter_k=1))
     assert config.speculative_config.draft_model_config.hf_config.carryover_runtime == {
         "enabled": True, "goodput_k": False, "prompt_lookup": True, "prompt_lookup_min": 2,
-        "prompt_lookup_max": 3, "prompt_lookup_drafter_k": 1, "corpus_lookup": False}
+        "prompt_lookup_max": 3, "prompt_lookup_drafter_k": 1, "corpus_lookup": False,
+        "drafter_gate": True}
 
 
 def test_wrong_type_for_a_vllm_key_is_refused_in_one_line(smollm2, random_drafter):

@@ -118,7 +118,7 @@ def test_serving_quick_result_has_ratios_to_no_speculation_and_stops_servers(
         assert sum(run["ttfts_ms"]) / len(run["ttfts_ms"]) == pytest.approx(
             run["mean_ttft_ms"], abs=0.1)
         assert (run["drafts"] > 0) == (run["row"] == "carryover")
-        assert 0 <= run["lookup_only_steps"] <= run["drafts"]
+        assert 0 <= run["gated_off_steps"] <= run["lookup_only_steps"] <= run["drafts"]
     for c in ("1", "4"):
         assert result["table"]["none"][c]["vs_none"]["output_throughput"] == 1.0
         cell = result["table"]["carryover"][c]

@@ -185,6 +185,21 @@ def test_lookups_alone_with_drafter_k_0_skip_the_drafter_and_stay_identical(
     assert 0 < spec["spec_decode_num_drafts"] <= co["carryover_lookup_rounds"]
 
 
+def test_goodput_turns_the_drafter_beside_the_lookups_on_and_off_and_stays_identical(
+        smollm2, prompts, trained_drafter, reference_fp32, tmp_path):
+    """K by goodput with prompt lookup and one drafter token: per batch size the proposer
+    also measures whether the drafter's token pays (`drafter_gate`); while it warms up
+    it alternates runs with and without the drafter, so both occur here. A request
+    without a lookup run then drafts nothing; verification is unchanged."""
+    out = generate(smollm2, prompts, tmp_path, "carryover-gate", trained_drafter,
+                   prompt_lookup=True, prompt_lookup_drafter_k=1,
+                   num_speculative_tokens_per_batch_size="goodput")
+    assert out["token_ids"] == reference_fp32["token_ids"]
+    co = out["carryover"]
+    assert 0 < co["carryover_drafter_gated_off_steps"] <= co["carryover_lookup_only_steps"]
+    assert co["carryover_lookup_rounds"] < co["carryover_draft_rounds"]  # the drafter ran
+
+
 @pytest.mark.parametrize("answers_in_table", ["half", "all"])
 def test_corpus_lookup_drafts_the_targets_usual_phrases_and_stays_identical(
         smollm2, prompts, trained_drafter, reference_fp32, tmp_path, answers_in_table):

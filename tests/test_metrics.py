@@ -23,9 +23,11 @@ def test_cpu_rounds_are_counted_exactly(counter_dir: Path) -> None:
     c.record(torch.tensor([2], dtype=torch.int32))
     c.record_lookup(torch.tensor([[True, True], [False, False], [True, False]]), True)
     c.record_lookup(torch.tensor([[True, False]]), False)  # a step of lookups alone
+    c.record_lookup(torch.tensor([[True, False], [False, False]]), False, gated_off=True)
     assert c.as_dict() == {"carryover_draft_rounds": 4, "carryover_nonempty_slot_rounds": 3,
-                           "carryover_rejected_states": 12, "carryover_lookup_rounds": 3,
-                           "carryover_lookup_only_steps": 1}
+                           "carryover_rejected_states": 12, "carryover_lookup_rounds": 4,
+                           "carryover_lookup_only_steps": 2,
+                           "carryover_drafter_gated_off_steps": 1}
     assert read_counters(counter_dir) == c.as_dict()
 
 
@@ -45,4 +47,5 @@ def test_tensor_parallel_ranks_count_once_and_engines_add_up(
                                           "carryover_nonempty_slot_rounds": 3,
                                           "carryover_rejected_states": 7,
                                           "carryover_lookup_rounds": 0,
-                                          "carryover_lookup_only_steps": 0}
+                                          "carryover_lookup_only_steps": 0,
+                                          "carryover_drafter_gated_off_steps": 0}

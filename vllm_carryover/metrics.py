@@ -39,6 +39,8 @@ COUNTERS: dict[str, str] = {
     "or corpus) tokens.",
     "carryover_lookup_only_steps": "Steps whose drafts all came from lookups, so the "
     "drafter's forward was skipped.",
+    "carryover_drafter_gated_off_steps": "Of those, steps in which some request had no "
+    "lookup run, but the lookups alone had measured faster at that batch size.",
 }
 
 
@@ -106,12 +108,15 @@ class CarryoverCounters:
         totals[2] += c.sum()
         self._publish(carried.device)
 
-    def record_lookup(self, from_lookup: torch.Tensor, drafter_ran: bool) -> None:
+    def record_lookup(self, from_lookup: torch.Tensor, drafter_ran: bool,
+                      gated_off: bool = False) -> None:
         """Count the requests whose draft began with a lookup's tokens, and the step if
-        the drafter did not run; `from_lookup` is [batch, K] bool (`prompt_lookup`)."""
+        the drafter did not run (and if `drafter_gate` kept it off); `from_lookup` is
+        [batch, K] bool (`prompt_lookup`)."""
         totals = self._totals_on(from_lookup.device)
         totals[3] += from_lookup[:, 0].sum()
         totals[4] += int(not drafter_ran)
+        totals[5] += int(gated_off)
         self._publish(from_lookup.device)
 
     def _totals_on(self, device: torch.device) -> torch.Tensor:

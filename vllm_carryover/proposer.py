@@ -11,11 +11,13 @@ drafter's length limit, requests that still fit keep drafting (`length_limit`).
 With `"prompt_lookup": true`, requests whose text repeats take the n-gram
 matcher's draft instead of the drafter's (`prompt_lookup`); with `"corpus_lookup":
 true`, requests whose text ends in a phrase the target often writes take its usual
-continuation (`corpus_lookup`).
+continuation (`corpus_lookup`); with K by goodput too, whether the drafter drafts for
+the others is measured (`drafter_gate`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +33,7 @@ from vllm_carryover import kernels
 from vllm_carryover.carryover_slot import SlotLayout, plan_slots, shift_query_slots
 from vllm_carryover.corpus_lookup import CORPUS_FILE, CorpusTable
 from vllm_carryover.draft_trace import DraftTrace
+from vllm_carryover.drafter_gate import DrafterGate
 from vllm_carryover.length_limit import LengthLimit
 from vllm_carryover.markov_head import draft_left_to_right
 from vllm_carryover.metrics import CarryoverCounters
@@ -54,6 +57,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
+GATE_LOG_EVERY = 256  # counted cycles between logs of the drafter gate's choices
 
 
 def _tp_rank() -> int:
@@ -107,6 +111,14 @@ class CarryoverProposer(DFlashProposer):
             corpus = CorpusTable.load(path)
             self.lookups.append(corpus.propose)
             logger.info("Corpus lookup: %d contexts from %s.", len(corpus), path)
+        # With K by goodput, whether the drafter drafts beside the lookups is measured
+        # too. Only synchronous scheduling lets a request verify fewer than K drafts.
+        self.gate: DrafterGate | None = None
+        if (self.lookups and self.settings.goodput_k and self.settings.drafter_gate
+                and not self._rows_stay_wide and self.settings.prompt_lookup_drafter_k != 0):
+            self.gate = DrafterGate()
+            logger.info("Drafter beside the lookups: on or off per batch size by measured "
+                        "goodput.")
 
     @override
     def propose(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -119,23 +131,26 @@ class CarryoverProposer(DFlashProposer):
 
     def _draft(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         k = kwargs.get("num_speculative_tokens")
+        cad: CommonAttentionMetadata = kwargs["common_attn_metadata"]
+        now = time.perf_counter()
+        if self.gate is not None:
+            self._close_gate_cycle(now, cad.batch_size())
         if k == 0:
             return self._keep_context_only(**kwargs)
         if not self.lookups:
             return super().propose(*args, **kwargs)
-        cad: CommonAttentionMetadata = kwargs["common_attn_metadata"]
         proposals = first_proposals(self._texts(cad.batch_size()), self.lookups, k)
-        if not lookups_suffice(proposals, k, self._rows_stay_wide,
-                               self.settings.prompt_lookup_drafter_k):
+        drafter_k = self._drafter_k(proposals, now)
+        if not lookups_suffice(proposals, k, self._rows_stay_wide, drafter_k):
             drafts = super().propose(*args, **kwargs)
-            self._use_lookups(drafts, proposals, drafter_ran=True)
+            self._use_lookups(drafts, proposals, drafter_k, drafter_ran=True)
             return drafts
         # Every request drafts a lookup's tokens: the drafter's forward would only be
         # overwritten, so the step just stores the new context, as a K = 0 step does.
         self._keep_context_only(**kwargs)
         drafts = torch.zeros((len(proposals), k), dtype=torch.int64,
                              device=kwargs["target_hidden_states"].device)
-        self._use_lookups(drafts, proposals, drafter_ran=False)
+        self._use_lookups(drafts, proposals, drafter_k, drafter_ran=False)
         if self._enable_probabilistic_draft_probs and not kwargs["sampling_metadata"].all_greedy:
             # else the runner would verify these drafts against an older step's probs
             self._last_draft_probs = one_hot_probs(drafts, self._vocab_size)
@@ -159,16 +174,45 @@ class CarryoverProposer(DFlashProposer):
         return texts_of(batch.token_ids_cpu, batch.num_tokens_no_spec, sampled[:num_reqs],
                         discarded)
 
+    def _drafter_k(self, proposals: list[Sequence[int]], now: float) -> int | None:
+        """How many of the drafter's tokens the requests without a lookup run draft this
+        step: `prompt_lookup_drafter_k`, or 0 where the gate measured the lookups alone
+        to serve faster at this batch size."""
+        drafter_k = self.settings.prompt_lookup_drafter_k
+        if self.gate is None or all(len(p) for p in proposals):
+            return drafter_k  # not the gate's choice: the drafter would not run anyway
+        use_drafter = self.gate.choose(len(proposals))
+        self.gate.open(now, self._req_ids(len(proposals)), use_drafter)
+        return drafter_k if use_drafter else 0
+
+    def _close_gate_cycle(self, now: float, num_reqs: int) -> None:
+        """Tell the gate what the verification since the last `propose` emitted."""
+        assert self.gate is not None
+        tokens = None
+        if self._sampled is not None:
+            sampled, discarded = self._sampled
+            if not bool(discarded[:num_reqs].any()):  # no request in a prefill chunk
+                tokens = int((sampled[:num_reqs] >= 0).sum())
+        if self.gate.close(now, self._req_ids(num_reqs), tokens) and (
+                self.gate.counted % GATE_LOG_EVERY == 0):
+            logger.info("Drafter beside the lookups, per batch size: %s (in use; tokens/s "
+                        "with the drafter, with the lookups alone)", self.gate.summary())
+
+    def _req_ids(self, num_reqs: int) -> tuple[str, ...]:
+        return tuple(self._runner.input_batch.req_ids[:num_reqs])
+
     def _use_lookups(self, drafts: torch.Tensor, proposals: list[Sequence[int]],
-                     drafter_ran: bool) -> None:
+                     drafter_k: int | None, drafter_ran: bool) -> None:
         """Put the lookups' proposals into `drafts` [batch, K] (in place), with their
         one-hot distributions where sampling uses the drafter's, and keep each
         request's draft length for `kept_drafts`."""
         from_lookup = write_drafts(drafts, proposals)
         if self._last_draft_probs is not None:
             make_lookup_probs_one_hot(self._last_draft_probs, drafts, from_lookup)
-        self.counters.record_lookup(from_lookup, drafter_ran)
-        lengths = draft_lengths(from_lookup, self.settings.prompt_lookup_drafter_k)
+        gated_off = (not drafter_ran and drafter_k == 0
+                     and self.settings.prompt_lookup_drafter_k != 0)  # by the gate
+        self.counters.record_lookup(from_lookup, drafter_ran, gated_off)
+        lengths = draft_lengths(from_lookup, drafter_k)
         req_ids = self._runner.input_batch.req_ids[: drafts.shape[0]]
         self._draft_lengths = dict(zip(req_ids, lengths, strict=True))
 

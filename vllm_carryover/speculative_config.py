@@ -41,6 +41,10 @@ CARRYOVER_KEYS: dict[str, str] = {
     "prompt_lookup_drafter_k": "with prompt_lookup or corpus_lookup, how many of the "
     "drafter's tokens a request without a match drafts (0: none, and the drafter never "
     "runs; default: num_speculative_tokens)",
+    "drafter_gate": "with prompt_lookup or corpus_lookup and K by goodput "
+    "(num_speculative_tokens_per_batch_size \"goodput\"), true: per batch size, whether "
+    "requests without a match draft the drafter's tokens is decided by each choice's "
+    "measured tokens/s; false: they always do (default: true)",
     "corpus_lookup": f"true: where the drafter folder's {CORPUS_FILE} (what the target most "
     "often wrote after the same 2-5 tokens; `python -m train corpus-table`) continues the "
     "request's text, draft that chain; after prompt_lookup's match, before the drafter "
@@ -75,6 +79,7 @@ class CarryoverSettings:
     prompt_lookup_min: int = DEFAULT_MIN_N
     prompt_lookup_max: int = DEFAULT_MAX_N
     prompt_lookup_drafter_k: int | None = None  # None: all K
+    drafter_gate: bool = True  # with K by goodput: the drafter's tokens only where they pay
     corpus_lookup: bool = False  # the corpus table's chains where it has some
 
     @classmethod
@@ -104,7 +109,8 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
                              spec.pop("prompt_lookup_min", DEFAULT_MIN_N),
                              spec.pop("prompt_lookup_max", DEFAULT_MAX_N),
                              spec.pop("prompt_lookup_drafter_k", None),
-                             spec.pop("corpus_lookup", False))
+                             spec.pop("corpus_lookup", False),
+                             spec.pop("drafter_gate", True))
     schedule = spec.get("num_speculative_tokens_per_batch_size")
     if isinstance(schedule, str) and schedule != GOODPUT:
         raise CarryoverConfigError(
@@ -166,10 +172,11 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
     return spec, CarryoverSettings(enabled=enabled, goodput_k=goodput_k, **lookup)
 
 
-def lookup_settings(on: Any, min_n: Any, max_n: Any, drafter_k: Any, corpus: Any
-                    ) -> dict[str, Any]:
+def lookup_settings(on: Any, min_n: Any, max_n: Any, drafter_k: Any, corpus: Any,
+                    gate: Any) -> dict[str, Any]:
     """The prompt- and corpus-lookup keys, checked (CarryoverConfigError with the fix)."""
-    for key, value in (("prompt_lookup", on), ("corpus_lookup", corpus)):
+    for key, value in (("prompt_lookup", on), ("corpus_lookup", corpus),
+                       ("drafter_gate", gate)):
         if not isinstance(value, bool):
             raise CarryoverConfigError(f"'{key}' must be true or false, got {value!r}")
     _check_count("prompt_lookup_min", min_n, least=1)
@@ -181,7 +188,8 @@ def lookup_settings(on: Any, min_n: Any, max_n: Any, drafter_k: Any, corpus: Any
             f"'prompt_lookup_min' ({min_n}) is above 'prompt_lookup_max' ({max_n}); "
             "make the shortest n-gram at most the longest")
     return {"prompt_lookup": on, "prompt_lookup_min": min_n, "prompt_lookup_max": max_n,
-            "prompt_lookup_drafter_k": drafter_k, "corpus_lookup": corpus}
+            "prompt_lookup_drafter_k": drafter_k, "corpus_lookup": corpus,
+            "drafter_gate": gate}
 
 
 def _check_count(key: str, n: Any, least: int) -> None:

@@ -1,0 +1,142 @@
+"""Whether the drafter pays beside the lookups, by measured goodput.
+
+With prompt or corpus lookup, a step in which some request has no lookup run runs
+the drafter for that request's first `prompt_lookup_drafter_k` tokens. That costs
+the drafter's forward and one more verified row per such request, and buys the
+tokens accepted from it. Which is larger depends on the machine and the load (on a
+2-core CPU at concurrency 16, one interleaved run: the lookups alone served 1.05x no
+speculation, one drafter token per request 0.98x; docs/results.md, session 29), so
+with K by goodput it is measured while serving, per batch size, as each choice's own
+goodput, without a model of its costs:
+
+- a *cycle* is the wall time from one `propose` call to the next: the drafting of
+  that step (with the drafter, or from the lookups alone), the scheduler, the
+  target verifying those drafts, the sampling. Its tokens are what that
+  verification emitted. Both belong to the choice made at the cycle's start.
+- only cycles the choice decides count (some request without a lookup run, under
+  synchronous scheduling), and only pure decode cycles: the same requests at both
+  ends, none of them in a prefill chunk. Others are dropped.
+- per batch-size bucket (1, 2, 3-4, 5-8, ...) and choice: decayed sums of seconds
+  and tokens. Until both choices have `MIN_CYCLES` cycles the bucket alternates them
+  in runs of `RUN` cycles; then it uses the one with more tokens per second (the
+  other must beat the current one by `MIN_GAIN` to take over, so noise does not
+  flap it), and every `PROBE_EVERY` cycles tries the other for `RUN` cycles, so
+  that its estimate follows the traffic.
+
+Verification is unchanged, so greedy output is too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MIN_CYCLES = 12  # cycles of each choice in a bucket before its rates decide
+RUN = 4  # consecutive cycles of one choice while warming up or probing
+PROBE_EVERY = 64  # cycles between probes of the choice not in use
+MIN_GAIN = 0.03  # the other choice must promise this much more tokens/s to take over
+HALF_LIFE_CYCLES = 256  # a bucket's sums age over this many of its cycles
+
+DRAFTER, LOOKUPS_ALONE = True, False  # the two choices
+
+
+def bucket_of(batch: int) -> int:
+    """Batch sizes 1, 2, 3-4, 5-8, ... share a bucket: neighbouring sizes cost alike,
+    and a serving batch moves among them as requests come and go."""
+    return max(batch - 1, 0).bit_length()
+
+
+@dataclass
+class _Bucket:
+    """Decayed seconds and tokens of each choice's cycles, and the probing schedule."""
+
+    seconds: dict[bool, float] = field(default_factory=lambda: {DRAFTER: 0.0,
+                                                                LOOKUPS_ALONE: 0.0})
+    tokens: dict[bool, float] = field(default_factory=lambda: {DRAFTER: 0.0,
+                                                               LOOKUPS_ALONE: 0.0})
+    cycles: dict[bool, int] = field(default_factory=lambda: {DRAFTER: 0, LOOKUPS_ALONE: 0})
+    current: bool = DRAFTER  # the choice in use once warmed up
+    run_left: int = RUN  # cycles left in the present run of `running`
+    running: bool = DRAFTER
+    since_probe: int = 0
+
+    def rate(self, choice: bool) -> float:
+        return self.tokens[choice] / self.seconds[choice] if self.seconds[choice] else 0.0
+
+    def warm(self) -> bool:
+        return min(self.cycles.values()) >= MIN_CYCLES
+
+
+@dataclass(frozen=True)
+class _Cycle:
+    """An open cycle: when it began, over which requests, with which choice."""
+
+    start: float
+    req_ids: tuple[str, ...]
+    choice: bool
+
+
+class DrafterGate:
+    """Per batch-size bucket, whether the drafter drafts for the requests that have no
+    lookup run, by each choice's measured tokens per second."""
+
+    def __init__(self, half_life: int = HALF_LIFE_CYCLES):
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.buckets: dict[int, _Bucket] = {}
+        self.counted = 0  # cycles that counted, in all buckets
+        self._open: _Cycle | None = None
+
+    # -- what the proposer reports -------------------------------------------------------
+    def close(self, now: float, req_ids: tuple[str, ...], tokens: int | None) -> bool:
+        """A `propose` call begins: the open cycle ends here, with `tokens` emitted by
+        the verification just done (None where some request was in a prefill chunk).
+        It counts (returns True) if the same requests were verified as drafted."""
+        cycle, self._open = self._open, None
+        if cycle is None or tokens is None or req_ids != cycle.req_ids:
+            return False
+        b = self.buckets.setdefault(bucket_of(len(req_ids)), _Bucket())
+        for choice in (DRAFTER, LOOKUPS_ALONE):
+            b.seconds[choice] *= self.decay
+            b.tokens[choice] *= self.decay
+        b.seconds[cycle.choice] += now - cycle.start
+        b.tokens[cycle.choice] += tokens
+        b.cycles[cycle.choice] += 1
+        self.counted += 1
+        return True
+
+    def open(self, now: float, req_ids: tuple[str, ...], choice: bool) -> None:
+        """A step the gate decided (`choose`) has drafted: its cycle begins (at `now`,
+        the start of its `propose` call)."""
+        self._open = _Cycle(now, req_ids, choice)
+
+    # -- what the proposer asks ----------------------------------------------------------
+    def choose(self, batch: int) -> bool:
+        """DRAFTER or LOOKUPS_ALONE for a step of this batch size in which some request
+        has no lookup run."""
+        b = self.buckets.setdefault(bucket_of(batch), _Bucket())
+        if b.run_left > 0:  # inside a warm-up or probe run
+            b.run_left -= 1
+            return b.running
+        if not b.warm():  # warming up: the next run is of the other choice
+            b.running, b.run_left = not b.running, RUN - 1
+            return b.running
+        other = not b.current
+        if b.rate(other) > (1.0 + MIN_GAIN) * b.rate(b.current):
+            b.current, other = other, b.current
+        b.since_probe += 1
+        if b.since_probe >= PROBE_EVERY:
+            b.since_probe = 0
+            b.running, b.run_left = other, RUN - 1
+            return other
+        return b.current
+
+    def summary(self) -> dict[str, tuple[str, float, float]]:
+        """Per bucket ("1", "2", "3-4", ...): the choice in use and each choice's
+        tokens/s (drafter, lookups alone), for the log."""
+        out = {}
+        for key in sorted(self.buckets):
+            b = self.buckets[key]
+            lo, hi = (1 << (key - 1)) + 1 if key else 1, 1 << key
+            out[f"{lo}-{hi}" if hi > lo else str(hi)] = (
+                "drafter" if b.current else "lookups alone",
+                round(b.rate(DRAFTER), 1), round(b.rate(LOOKUPS_ALONE), 1))
+        return out
