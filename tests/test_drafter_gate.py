@@ -77,6 +77,7 @@ def test_cycles_over_other_requests_or_a_prefill_do_not_count() -> None:
     b = gate.buckets[bucket_of(len(REQS))]
     assert b.cycles == {DRAFTER: 0, LOOKUPS_ALONE: 1}
     assert b.rate(LOOKUPS_ALONE) == 8.0 and gate.counted == 1
+    assert gate.summary() == {"3-4": ("warming up", 0.0, 8.0)}
 
 
 def test_each_batch_size_bucket_decides_for_itself() -> None:

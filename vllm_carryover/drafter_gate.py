@@ -65,6 +65,12 @@ class _Bucket:
     def warm(self) -> bool:
         return min(self.cycles.values()) >= MIN_CYCLES
 
+    def preferred(self) -> bool:
+        """The current choice, unless the other one is `MIN_GAIN` faster."""
+        other = not self.current
+        return other if self.rate(other) > (1.0 + MIN_GAIN) * self.rate(self.current) else (
+            self.current)
+
 
 @dataclass(frozen=True)
 class _Cycle:
@@ -119,24 +125,24 @@ class DrafterGate:
         if not b.warm():  # warming up: the next run is of the other choice
             b.running, b.run_left = not b.running, RUN - 1
             return b.running
-        other = not b.current
-        if b.rate(other) > (1.0 + MIN_GAIN) * b.rate(b.current):
-            b.current, other = other, b.current
+        b.current = b.preferred()
         b.since_probe += 1
         if b.since_probe >= PROBE_EVERY:
             b.since_probe = 0
-            b.running, b.run_left = other, RUN - 1
-            return other
+            b.running, b.run_left = not b.current, RUN - 1
+            return b.running
         return b.current
 
     def summary(self) -> dict[str, tuple[str, float, float]]:
-        """Per bucket ("1", "2", "3-4", ...): the choice in use and each choice's
-        tokens/s (drafter, lookups alone), for the log."""
+        """Per bucket ("1", "2", "3-4", ...): the choice its rates make now ("warming
+        up" before they decide) and each choice's tokens/s (drafter, lookups alone),
+        for the log."""
         out = {}
         for key in sorted(self.buckets):
             b = self.buckets[key]
             lo, hi = (1 << (key - 1)) + 1 if key else 1, 1 << key
             out[f"{lo}-{hi}" if hi > lo else str(hi)] = (
-                "drafter" if b.current else "lookups alone",
+                ("drafter" if b.preferred() else "lookups alone") if b.warm()
+                else "warming up",
                 round(b.rate(DRAFTER), 1), round(b.rate(LOOKUPS_ALONE), 1))
         return out

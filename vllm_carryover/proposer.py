@@ -195,7 +195,7 @@ class CarryoverProposer(DFlashProposer):
                 tokens = int((sampled[:num_reqs] >= 0).sum())
         if self.gate.close(now, self._req_ids(num_reqs), tokens) and (
                 self.gate.counted % GATE_LOG_EVERY == 0):
-            logger.info("Drafter beside the lookups, per batch size: %s (in use; tokens/s "
+            logger.info("Drafter beside the lookups, per batch size: %s (choice; tokens/s "
                         "with the drafter, with the lookups alone)", self.gate.summary())
 
     def _req_ids(self, num_reqs: int) -> tuple[str, ...]:
