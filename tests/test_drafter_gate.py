@@ -20,11 +20,11 @@ def serve(gate: DrafterGate, steps: int, seconds: dict[bool, float],
     """`steps` gated steps of one batch, each choice's cycle taking `seconds[choice]`
     and emitting `tokens[choice]`; returns the choices made."""
     now, made = 0.0, []
+    gate.step(now, reqs, None)  # the first step verifies nothing the gate decided
     for _ in range(steps):
-        choice = gate.choose(len(reqs))
-        gate.open(now, reqs, choice)
+        choice = gate.choose()
         now += seconds[choice]
-        gate.close(now, reqs, tokens[choice])
+        gate.step(now, reqs, tokens[choice])
         made.append(choice)
     return made
 
@@ -67,13 +67,18 @@ def test_a_choice_within_the_margin_does_not_take_over() -> None:
 
 def test_cycles_over_other_requests_or_a_prefill_do_not_count() -> None:
     gate = DrafterGate()
-    gate.open(0.0, REQS, DRAFTER)
-    assert not gate.close(1.0, ("a", "b"), 3)  # a request finished: another batch
-    gate.open(1.0, REQS, DRAFTER)
-    assert not gate.close(2.0, REQS, None)  # some request in a prefill chunk
-    assert not gate.close(3.0, REQS, 3)  # no cycle open (a step the gate did not decide)
-    gate.open(3.0, REQS, LOOKUPS_ALONE)
-    assert gate.close(3.5, REQS, 4)
+    gate.step(0.0, REQS, None)
+    assert gate.choose() == DRAFTER
+    assert not gate.step(1.0, ("a", "b"), 3)  # a request finished: another batch
+    gate.step(1.0, REQS, None)
+    assert gate.choose() == DRAFTER
+    assert not gate.step(2.0, REQS, None)  # some request in a prefill chunk
+    assert not gate.step(3.0, REQS, 3)  # no cycle open (a step the gate did not decide)
+    for _ in range(RUN - 2):  # the rest of the warm-up's first run, over prefill chunks
+        gate.choose()
+        assert not gate.step(3.0, REQS, None)
+    assert gate.choose() == LOOKUPS_ALONE
+    assert gate.step(3.5, REQS, 4)
     b = gate.buckets[bucket_of(len(REQS))]
     assert b.cycles == {DRAFTER: 0, LOOKUPS_ALONE: 1}
     assert b.rate(LOOKUPS_ALONE) == 8.0 and gate.counted == 1

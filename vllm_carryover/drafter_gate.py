@@ -73,12 +73,11 @@ class _Bucket:
 
 
 @dataclass(frozen=True)
-class _Cycle:
-    """An open cycle: when it began, over which requests, with which choice."""
+class _Step:
+    """A step's `propose` call: when it began, over which requests."""
 
     start: float
     req_ids: tuple[str, ...]
-    choice: bool
 
 
 class DrafterGate:
@@ -89,35 +88,39 @@ class DrafterGate:
         self.decay = 0.5 ** (1.0 / half_life)
         self.buckets: dict[int, _Bucket] = {}
         self.counted = 0  # cycles that counted, in all buckets
-        self._open: _Cycle | None = None
+        self._step: _Step | None = None  # the step whose `propose` call is under way
+        self._open: tuple[_Step, bool] | None = None  # a decided step and its choice
 
     # -- what the proposer reports -------------------------------------------------------
-    def close(self, now: float, req_ids: tuple[str, ...], tokens: int | None) -> bool:
-        """A `propose` call begins: the open cycle ends here, with `tokens` emitted by
-        the verification just done (None where some request was in a prefill chunk).
-        It counts (returns True) if the same requests were verified as drafted."""
-        cycle, self._open = self._open, None
-        if cycle is None or tokens is None or req_ids != cycle.req_ids:
+    def step(self, now: float, req_ids: tuple[str, ...], tokens: int | None) -> bool:
+        """A `propose` call begins at `now` over `req_ids`: the open cycle ends here, with
+        `tokens` emitted by the verification just done (None where some request was in
+        a prefill chunk). It counts (returns True) if the same requests were verified as
+        drafted."""
+        opened, self._open = self._open, None
+        self._step = _Step(now, req_ids)
+        if opened is None or tokens is None or req_ids != opened[0].req_ids:
             return False
+        began, choice = opened
         b = self.buckets.setdefault(bucket_of(len(req_ids)), _Bucket())
-        for choice in (DRAFTER, LOOKUPS_ALONE):
-            b.seconds[choice] *= self.decay
-            b.tokens[choice] *= self.decay
-        b.seconds[cycle.choice] += now - cycle.start
-        b.tokens[cycle.choice] += tokens
-        b.cycles[cycle.choice] += 1
+        for c in (DRAFTER, LOOKUPS_ALONE):
+            b.seconds[c] *= self.decay
+            b.tokens[c] *= self.decay
+        b.seconds[choice] += now - began.start
+        b.tokens[choice] += tokens
+        b.cycles[choice] += 1
         self.counted += 1
         return True
 
-    def open(self, now: float, req_ids: tuple[str, ...], choice: bool) -> None:
-        """A step the gate decided (`choose`) has drafted: its cycle begins (at `now`,
-        the start of its `propose` call)."""
-        self._open = _Cycle(now, req_ids, choice)
-
     # -- what the proposer asks ----------------------------------------------------------
-    def choose(self, batch: int) -> bool:
-        """DRAFTER or LOOKUPS_ALONE for a step of this batch size in which some request
-        has no lookup run."""
+    def choose(self) -> bool:
+        """DRAFTER or LOOKUPS_ALONE for the step under way, in which some request has no
+        lookup run; its cycle begins with the step's `propose` call."""
+        assert self._step is not None, "step() first"
+        self._open = (self._step, choice := self._choice(len(self._step.req_ids)))
+        return choice
+
+    def _choice(self, batch: int) -> bool:
         b = self.buckets.setdefault(bucket_of(batch), _Bucket())
         if b.run_left > 0:  # inside a warm-up or probe run
             b.run_left -= 1

@@ -132,15 +132,14 @@ class CarryoverProposer(DFlashProposer):
     def _draft(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         k = kwargs.get("num_speculative_tokens")
         cad: CommonAttentionMetadata = kwargs["common_attn_metadata"]
-        now = time.perf_counter()
         if self.gate is not None:
-            self._close_gate_cycle(now, cad.batch_size())
+            self._gate_step(cad.batch_size())
         if k == 0:
             return self._keep_context_only(**kwargs)
         if not self.lookups:
             return super().propose(*args, **kwargs)
         proposals = first_proposals(self._texts(cad.batch_size()), self.lookups, k)
-        drafter_k = self._drafter_k(proposals, now)
+        drafter_k = self._drafter_k(proposals)
         if not lookups_suffice(proposals, k, self._rows_stay_wide, drafter_k):
             drafts = super().propose(*args, **kwargs)
             self._use_lookups(drafts, proposals, drafter_k, drafter_ran=True)
@@ -174,32 +173,28 @@ class CarryoverProposer(DFlashProposer):
         return texts_of(batch.token_ids_cpu, batch.num_tokens_no_spec, sampled[:num_reqs],
                         discarded)
 
-    def _drafter_k(self, proposals: list[Sequence[int]], now: float) -> int | None:
+    def _drafter_k(self, proposals: list[Sequence[int]]) -> int | None:
         """How many of the drafter's tokens the requests without a lookup run draft this
         step: `prompt_lookup_drafter_k`, or 0 where the gate measured the lookups alone
         to serve faster at this batch size."""
         drafter_k = self.settings.prompt_lookup_drafter_k
         if self.gate is None or all(len(p) for p in proposals):
             return drafter_k  # not the gate's choice: the drafter would not run anyway
-        use_drafter = self.gate.choose(len(proposals))
-        self.gate.open(now, self._req_ids(len(proposals)), use_drafter)
-        return drafter_k if use_drafter else 0
+        return drafter_k if self.gate.choose() else 0
 
-    def _close_gate_cycle(self, now: float, num_reqs: int) -> None:
-        """Tell the gate what the verification since the last `propose` emitted."""
+    def _gate_step(self, num_reqs: int) -> None:
+        """Tell the gate that a step begins, and what the verification since the last
+        `propose` call emitted."""
         assert self.gate is not None
-        tokens = None
+        now, tokens = time.perf_counter(), None
         if self._sampled is not None:
             sampled, discarded = self._sampled
             if not bool(discarded[:num_reqs].any()):  # no request in a prefill chunk
                 tokens = int((sampled[:num_reqs] >= 0).sum())
-        if self.gate.close(now, self._req_ids(num_reqs), tokens) and (
-                self.gate.counted % GATE_LOG_EVERY == 0):
+        req_ids = tuple(self._runner.input_batch.req_ids[:num_reqs])
+        if self.gate.step(now, req_ids, tokens) and self.gate.counted % GATE_LOG_EVERY == 0:
             logger.info("Drafter beside the lookups, per batch size: %s (choice; tokens/s "
                         "with the drafter, with the lookups alone)", self.gate.summary())
-
-    def _req_ids(self, num_reqs: int) -> tuple[str, ...]:
-        return tuple(self._runner.input_batch.req_ids[:num_reqs])
 
     def _use_lookups(self, drafts: torch.Tensor, proposals: list[Sequence[int]],
                      drafter_k: int | None, drafter_ran: bool) -> None:
