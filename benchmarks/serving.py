@@ -71,15 +71,21 @@ SIZES: dict[str, dict[str, Any]] = {
               "warmup_runs": 0},
     "full": {"num_prompts": 10, "max_tokens": 64, "concurrency": [1, 4, 16], "repeats": 2,
              "warmup_runs": 1}}
-WAVES = 3  # requests per run: this many times the concurrency (at least one per category)
+WAVES = 3  # requests per run: this many times the concurrency ...
+MIN_PER_CATEGORY = 5  # ... and at least this many prompts of each category
 
 
-def requests_per_run(concurrency: int, num_categories: int, total_prompts: int) -> int:
-    """Requests in one `vllm bench serve` run. Several waves at each concurrency, so
-    that a run measures steady serving rather than one burst of simultaneous
-    prefills; each request a different prompt (a repeated one would hit the prefix
-    cache)."""
-    return min(total_prompts, max(num_categories, WAVES * concurrency))
+def requests_per_run(concurrency: int, num_categories: int, total_prompts: int,
+                     requests: int | None = None) -> int:
+    """Requests in one `vllm bench serve` run: `requests` where given, else several
+    waves at each concurrency, so that a run measures steady serving rather than one
+    burst of simultaneous prefills, and at least `MIN_PER_CATEGORY` prompts of each
+    category: one prompt per category wrote 213 tokens in all at concurrency 1, and five
+    prompts and 25 served 1.55x and 1.73x no speculation in one session (docs/results.md,
+    session 31). Each request is a different prompt (a repeated one would hit the
+    prefix cache), so never more than there are prompts."""
+    return min(total_prompts, requests or max(MIN_PER_CATEGORY * num_categories,
+                                              WAVES * concurrency))
 
 
 METRICS = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")
@@ -266,7 +272,7 @@ def plot(result: dict[str, Any], out: Path) -> Path:
 
 def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
                 max_tokens: int, concurrency: list[int], repeats: int, warmup_runs: int = 0,
-                k: int = 7, dtype: str | None = None,
+                requests: int | None = None, k: int = 7, dtype: str | None = None,
                 categories: tuple[str, ...] = CATEGORIES,
                 start_timeout: float = 600.0) -> dict[str, Any]:
     """Start every row's server, bench them interleaved, stop them all, report."""
@@ -275,7 +281,8 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
     out.mkdir(parents=True, exist_ok=True)
     prompts = out / "prompts.jsonl"
     total_prompts = write_prompts(target, num_prompts, categories, prompts)
-    per_run = {c: requests_per_run(c, len(categories), total_prompts) for c in concurrency}
+    per_run = {c: requests_per_run(c, len(categories), total_prompts, requests)
+               for c in concurrency}
     max_model_len = serve_max_model_len(target)
     result: dict[str, Any] = {
         **header(),
@@ -359,7 +366,7 @@ def _cmd_serving(a: argparse.Namespace) -> None:
         concurrency=a.concurrency or size["concurrency"],
         repeats=a.repeats or size["repeats"],
         warmup_runs=size["warmup_runs"] if a.warmup_runs is None else a.warmup_runs,
-        k=a.k, dtype=a.dtype or default_dtype(),
+        requests=a.requests, k=a.k, dtype=a.dtype or default_dtype(),
         categories=tuple(a.categories or CATEGORIES))
     print("\n" + result["summary"])
     print(f"{out}/serving.json\n{out}/{result['plots'][0]}")
@@ -374,6 +381,10 @@ def add_cli(subparsers: Any) -> None:
                    help="requests in flight (default: by size)")
     p.add_argument("--repeats", type=int, metavar="N",
                    help="interleaved passes over the rows per concurrency (default: by size)")
+    p.add_argument("--requests", type=int, metavar="N",
+                   help="requests per run at every concurrency, each a different prompt "
+                   f"(default: {WAVES} per request in flight, at least {MIN_PER_CATEGORY} per "
+                   "category; at most the number of prompts)")
     p.add_argument("--warmup-runs", type=int, metavar="N",
                    help="untimed runs per server before the timed ones at each concurrency "
                    "(default: by size)")

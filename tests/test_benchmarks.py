@@ -144,3 +144,14 @@ def test_serving_stops_every_server_when_a_later_one_fails_to_start(
                          "--out", str(tmp_path / "out")])
     assert not vllm_serve_pids(server_tag)
     assert "Application startup complete" in (tmp_path / "out/logs/none.log").read_text()
+
+
+def test_serving_runs_three_waves_and_five_prompts_per_category_unless_told() -> None:
+    from vllm_carryover.benchmarks.serving import requests_per_run
+
+    assert requests_per_run(1, num_categories=5, total_prompts=50) == 25
+    assert requests_per_run(4, num_categories=5, total_prompts=50) == 25
+    assert requests_per_run(16, num_categories=5, total_prompts=50) == 48
+    assert requests_per_run(16, num_categories=1, total_prompts=10) == 10
+    assert requests_per_run(1, 5, 50, requests=25) == 25
+    assert requests_per_run(16, 5, 50, requests=80) == 50  # never a prompt twice

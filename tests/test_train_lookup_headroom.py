@@ -5,6 +5,7 @@ accept long runs where a random drafter accepts next to nothing."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,9 +36,11 @@ def test_lookup_proposes_what_followed_the_earlier_occurrence() -> None:
     assert not never.any()  # no repeats, no proposals
 
 
-def test_lookup_headroom_walks_long_runs_on_repeated_text(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+def walk_heldout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                 response_of: Callable[[list[int], torch.Generator], list[int]],
+                 *options: str) -> dict[str, dict[str, float]]:
+    """`lookup-headroom`'s table over four held-out rows of random prompts, each answered
+    by `response_of(prompt, generator)`."""
     target = make_tiny_target(tmp_path / "target", vocab=VOCAB)
     drafter = make_tiny_drafter(target, tmp_path / "drafter", block_size=4)
     gen = torch.Generator().manual_seed(0)
@@ -45,14 +48,21 @@ def test_lookup_headroom_walks_long_runs_on_repeated_text(
     for i in range(4):
         prompt = torch.randperm(VOCAB - 1, generator=gen)[:12].add(1).tolist()
         rows.append({"id": f"r{i}", "group": f"g{i}", "category": ("chat", "code")[i % 2],
-                     "messages": [], "prompt_ids": prompt, "response_ids": prompt * 2,
+                     "messages": [], "prompt_ids": prompt,
+                     "response_ids": response_of(prompt, gen),
                      "response": "", "split": "heldout"})
     monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(tmp_path / "cache"))
     write_dataset(data_dir(DATA), rows, {"target": str(target)})
     out = tmp_path / "lookup.json"
     main(["lookup-headroom", "--target", str(target), "--init", str(drafter),
-          "--data", DATA, "--threads", "1", "--out", str(out)])
-    table = json.loads(out.read_text())
+          "--data", DATA, "--threads", "1", "--out", str(out), *options])
+    return json.loads(out.read_text())
+
+
+def test_lookup_headroom_walks_long_runs_on_repeated_text(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    table = walk_heldout(tmp_path, monkeypatch, lambda prompt, gen: prompt * 2)
     assert "| all |" in capsys.readouterr().out
     assert set(table) == {"all", "chat", "code"}
     for row in table.values():
@@ -64,3 +74,18 @@ def test_lookup_headroom_walks_long_runs_on_repeated_text(
     assert everything["lookup"] > 3.0 and everything["both"] > 3.0
     assert everything["drafter"] < 1.5
     assert everything["lookup_share"] > 0.7
+
+
+def test_max_response_tokens_walks_only_the_start_of_each_response(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def new_text_then_again(prompt: list[int], gen: torch.Generator) -> list[int]:
+        # 12 tokens the prompt does not hold: only their repeats can be looked up
+        fresh = [t for t in torch.randperm(VOCAB - 1, generator=gen).add(1).tolist()
+                 if t not in prompt][:12]
+        return fresh * 3
+
+    whole = walk_heldout(tmp_path, monkeypatch, new_text_then_again)["all"]
+    start = walk_heldout(tmp_path / "start", monkeypatch, new_text_then_again,
+                         "--max-response-tokens", "12")["all"]
+    assert start["lookup"] == 1.0  # nothing before the repeat is looked up
+    assert whole["lookup"] > 1.5

@@ -18,14 +18,19 @@ greedy speculative run does (`WalkStats`) under these policies:
   all            the prompt lookup's, else the corpus lookup's, else the drafter's block
 
 Reported per category (and "all"): each policy's tau (tokens per step), and the share
-of the `both` walk's steps that used the lookup. Target states and drafts are computed
-in the machine's fastest dtype (bf16 where native), as training's held-out estimate is.
+of the `both` walk's steps that used the lookup. `--max-response-tokens N` walks only
+each response's first N tokens, the part a served request with `max_tokens` N writes:
+the lookups draft more of a response's later tokens, where it has begun to repeat
+itself (docs/results.md, session 31), so a short-answer benchmark meets fewer of them.
+Target states and drafts are computed in the machine's fastest dtype (bf16 where
+native), as training's held-out estimate is.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections import defaultdict
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from vllm_carryover.train.data import add_corpus_rule_options
@@ -59,10 +64,11 @@ def anchored_drafts(tokens: torch.Tensor, start: int, num_drafts: int,
 
 
 def lookup_headroom(target: str, init: str, data: str, chunk: int = 64,
-                    min_count: int = MIN_COUNT, min_share: float = MIN_SHARE
-                    ) -> dict[str, dict[str, float]]:
+                    min_count: int = MIN_COUNT, min_share: float = MIN_SHARE,
+                    max_response_tokens: int | None = None) -> dict[str, dict[str, float]]:
     """Per category (and "all"): each policy's walked tau and the lookup's share of the
-    `both` walk's steps; `min_count` / `min_share`: the corpus table's rule."""
+    `both` walk's steps; `min_count` / `min_share`: the corpus table's rule;
+    `max_response_tokens`: walk only each response's first this many tokens."""
     import torch
     from tqdm import tqdm
     from vllm_carryover.train.baseline import greedy_blocks, load_sequences, sequence_feed
@@ -78,7 +84,9 @@ def lookup_headroom(target: str, init: str, data: str, chunk: int = 64,
     layer_ids = list(drafter.config.target_layer_ids)
     feed = sequence_feed(place, layer_ids, truncated_decoder(
         target, max(layer_ids), place.dtype, place.device))
-    seqs = load_sequences(target, data, layer_ids, cached=False)["heldout"]
+    seqs = [seq if max_response_tokens is None else
+            replace(seq, tokens=seq.tokens[: seq.response_start + max_response_tokens])
+            for seq in load_sequences(target, data, layer_ids, cached=False)["heldout"]]
     corpus = corpus_table(data_dir(data), min_count, min_share)
     vllm_lookup = PromptLookup(DEFAULT_MIN_N, DEFAULT_MAX_N, 1 << 30).propose  # vLLM's matcher
     walks: dict[str, dict[str, WalkStats]] = defaultdict(
@@ -114,6 +122,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_drafter_options(p)
     add_corpus_rule_options(p)
+    p.add_argument("--max-response-tokens", type=int, metavar="N",
+                   help="walk only each response's first N tokens, as a served request "
+                   "with max_tokens N writes them (default: whole responses)")
     p.set_defaults(fn=_run)
 
 
@@ -123,5 +134,6 @@ def _run(a: argparse.Namespace) -> None:
 
     torch.set_num_threads(a.threads)
     print_table(lookup_headroom(a.target or default_target(), a.init, a.data,
-                                min_count=a.min_count, min_share=a.min_share),
+                                min_count=a.min_count, min_share=a.min_share,
+                                max_response_tokens=a.max_response_tokens),
                 [*POLICIES, "both_steps", "lookup_share"], a.out)
