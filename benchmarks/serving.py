@@ -47,6 +47,7 @@ from vllm_carryover.rows import Row, check_rows, parse_row
 from vllm_carryover.run_settings import (
     REPO,
     SHIPPED_DRAFTERS,
+    SHIPPED_LOOKUPS,
     model_runner_of,
     resolve_target,
     serve_max_model_len,
@@ -58,9 +59,8 @@ SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 # K per step by measured goodput (vllm_carryover/goodput_k.py), 0 included.
 GOODPUT = {"method": "carryover", "model": str(SMOLLM2 / "carryover"),
            "num_speculative_tokens_per_batch_size": "goodput"}
-# ... with prompt lookup where the text repeats, else the target's usual phrase (corpus
-# lookup), else the drafter's first token: the fastest measured (docs/results.md, session 27)
-LOOKUP = GOODPUT | {"prompt_lookup": True, "corpus_lookup": True, "prompt_lookup_drafter_k": 1}
+# ... with the shipped lookups beside the drafter
+LOOKUP = GOODPUT | SHIPPED_LOOKUPS
 DEFAULT_ROWS = ["none", "ngram", f"dflash=dflash:{SMOLLM2 / 'dflash-baseline'}",
                 f"carryover-off=carryover-off:{SMOLLM2 / 'carryover'}",
                 f"carryover=carryover:{SMOLLM2 / 'carryover'}",

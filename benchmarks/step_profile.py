@@ -12,6 +12,7 @@ concurrency-16 run) are summed apart and printed as totals:
   target forward    the target model over the verified rows (1 + K per request)
   sampling          the rejection sampler (or plain sampler)
   drafter propose   the proposer's whole `propose` call, of which
+    lookups         with --lookups: prompt and corpus lookup over each request's text
     context proj.   projecting the verified (and rejected) target states to K/V
     drafter fwd     the drafter layers over the query block
     LM head         the drafter's logits over its (draft) vocabulary
@@ -23,6 +24,7 @@ Multiprocess IPC is absent here by construction (served engines pay it on top).
 
     python -m benchmarks.step_profile --batch 1
     python -m benchmarks.step_profile --batch 16 --drafter DIR --dtype bfloat16
+    python -m benchmarks.step_profile --batch 1 --lookups    # the shipped lookups too
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any
 from vllm_carryover.run_settings import KV_CACHE_BYTES
 
 PARTS = ("engine step", "scheduler", "target forward", "sampling", "drafter propose",
-         "context proj.", "drafter fwd", "LM head")
+         "lookups", "context proj.", "drafter fwd", "LM head")
 TOP_LEVEL = ("scheduler", "target forward", "sampling", "drafter propose")
 
 
@@ -82,6 +84,9 @@ def main() -> None:
     p.add_argument("-k", type=int, default=7,
                    help="drafted tokens per step; 0: none, through vLLM's batch-size schedule "
                    "(the drafter still keeps its context, as K by goodput does at K=0)")
+    p.add_argument("--lookups", action="store_true",
+                   help="the shipped lookups beside the drafter (prompt lookup, corpus "
+                   "lookup, else the drafter's first token), at a fixed K")
     p.add_argument("--dtype", default="auto", help="auto: the machine's fastest")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--out", help="also write the result as JSON here")
@@ -94,8 +99,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm_carryover.benchmarks.eval_prompts import chat_token_ids, heldout_prompts
 
+    import vllm_carryover.proposer
     from vllm_carryover.dtype import resolve_dtype
-    from vllm_carryover.run_settings import SHIPPED_DRAFTERS, resolve_target
+    from vllm_carryover.run_settings import SHIPPED_DRAFTERS, SHIPPED_LOOKUPS, resolve_target
 
     target = resolve_target(None)
     drafter = a.drafter or str(SHIPPED_DRAFTERS / "carryover")
@@ -104,6 +110,8 @@ def main() -> None:
         "carryover": True}
     if spec is not None and a.k == 0:  # what K by goodput does when drafting does not pay
         spec["num_speculative_tokens_per_batch_size"] = [[1, 1 << 20, 0]]
+    if spec is not None and a.lookups:
+        spec |= SHIPPED_LOOKUPS
     per_category = chat_token_ids(target, heldout_prompts(max(1, a.batch // 5 + 1)))
     mixed = [q for group in zip(*per_category.values(), strict=True) for q in group]
     prompts = [{"prompt_token_ids": mixed[i % len(mixed)]} for i in range(a.batch)]
@@ -120,6 +128,8 @@ def main() -> None:
     if spec is not None:
         drafter_model = runner.drafter.model
         timer.wrap(runner.drafter, "propose", "drafter propose")
+        timer.wrap(runner.drafter, "_texts", "lookups")
+        timer.wrap(vllm_carryover.proposer, "first_proposals", "lookups")
         timer.wrap(drafter_model, "precompute_and_store_context_kv", "context proj.")
         timer.wrap(drafter_model, "forward", "drafter fwd")
         # the draft-vocabulary path calls the processor itself (proposer._greedy_sample)
@@ -165,7 +175,8 @@ def main() -> None:
         print("drafter propose, self CPU ms per step by operator (profiled, so slower):")
         for name, (us, calls) in top:
             print(f"  {us / 1e3 / decode_steps:8.3f}  {calls / decode_steps:5.1f} calls  {name}")
-    result = {"batch": a.batch, "k": a.k if spec else 0, "dtype": resolve_dtype(a.dtype),
+    result = {"batch": a.batch, "k": a.k if spec else 0, "lookups": a.lookups,
+              "dtype": resolve_dtype(a.dtype),
               "drafter": drafter, "steps": timer.steps["decode"],
               "ms_per_step": timer.ms("decode", per_step=True),
               "prefill_steps": timer.steps["prefill"],

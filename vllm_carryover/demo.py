@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from vllm_carryover.corpus_lookup import CORPUS_FILE
-from vllm_carryover.run_settings import SHIPPED_DRAFTERS
+from vllm_carryover.run_settings import SHIPPED_DRAFTERS, SHIPPED_LOOKUPS
 from vllm_carryover.server_process import VllmServer
 
 QUESTIONS = [
@@ -88,8 +88,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.de
     drafter = a.drafter or default_drafter(target, logs)
     spec = {"method": "carryover", "model": str(drafter), "num_speculative_tokens": a.k}
     if a.prompt_lookup:
-        spec |= {"prompt_lookup": True, "prompt_lookup_drafter_k": 1,
-                 "corpus_lookup": (drafter / CORPUS_FILE).is_file()}
+        spec |= SHIPPED_LOOKUPS | {"corpus_lookup": (drafter / CORPUS_FILE).is_file()}
     print(f"target : {target}\ndrafter: {drafter}\ndtype  : {a.dtype}\nlogs   : {logs}\n")
 
     print("starting vllm serve without speculation ...", flush=True)

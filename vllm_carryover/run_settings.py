@@ -14,6 +14,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent  # the checkout (shipped drafters, datasets)
 SHIPPED_DRAFTERS = REPO / "train" / "checkpoints" / "smollm2-135m-instruct"
+# The shipped lookups beside the drafter: prompt lookup where the text repeats, else the
+# target's usual phrase (corpus lookup), else the drafter's first token; the fastest
+# measured (docs/results.md, session 27).
+SHIPPED_LOOKUPS = {"prompt_lookup": True, "corpus_lookup": True, "prompt_lookup_drafter_k": 1}
 # Serving length of every measuring run: the longest held-out prompt (1-2k-token
 # passages) plus its answer fits.
 SERVE_MAX_MODEL_LEN = 4096
