@@ -1,7 +1,9 @@
 """`python -m benchmarks serving`: end-to-end throughput and latency of `vllm serve`.
 
-Every row gets its own `vllm serve` on 127.0.0.1 (a free port). All servers are
-started first and stay up; then, for each concurrency, `vllm bench serve` drives
+Every row gets its own `vllm serve` on 127.0.0.1 (a free port), on a CPU with
+vLLM's worker on every core unless a thread binding was chosen (`serving_env`;
+`--row-env` sets variables for one row's server). All servers are started first
+and stay up; then, for each concurrency, `vllm bench serve` drives
 them one at a time in turn on the same held-out prompts (greedy, completions
 API), the order reversed on every repeat, so slow drifts of a noisy machine hit
 all rows alike. Before the timed repeats at each concurrency every server gets
@@ -51,6 +53,7 @@ from vllm_carryover.run_settings import (
     model_runner_of,
     resolve_target,
     serve_max_model_len,
+    serving_env,
 )
 from vllm_carryover.server_process import VllmServer
 
@@ -274,9 +277,17 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
                 max_tokens: int, concurrency: list[int], repeats: int, warmup_runs: int = 0,
                 requests: int | None = None, k: int = 7, dtype: str | None = None,
                 categories: tuple[str, ...] = CATEGORIES,
+                row_env: dict[str, dict[str, str]] | None = None,
                 start_timeout: float = 600.0) -> dict[str, Any]:
-    """Start every row's server, bench them interleaved, stop them all, report."""
+    """Start every row's server, bench them interleaved, stop them all, report.
+    Every server gets `serving_env()` (vLLM's CPU worker on every core); `row_env` adds
+    environment variables to the servers of the rows it names (a thread binding there
+    replaces that default)."""
     configs = check_rows(rows, k)
+    row_env = row_env or {}
+    if unknown := sorted(set(row_env) - {r.name for r in rows}):
+        raise ValueError(f"--row-env names no row: {', '.join(unknown)} (rows: "
+                         f"{', '.join(r.name for r in rows)})")
     dtype = dtype or default_dtype()
     out.mkdir(parents=True, exist_ok=True)
     prompts = out / "prompts.jsonl"
@@ -293,7 +304,9 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
                  "max_tokens": max_tokens, "concurrency": concurrency, "repeats": repeats,
                  "warmup_runs": warmup_runs,
                  "k": k, "dtype": dtype, "temperature": 0.0, "max_model_len": max_model_len,
-                 "kv_cache_memory_bytes": KV_CACHE_BYTES},
+                 "kv_cache_memory_bytes": KV_CACHE_BYTES,
+                 # each row's server's environment, beyond this process's
+                 "server_env": {r.name: serving_env(row_env.get(r.name)) for r in rows}},
         "runs": []}
     with contextlib.ExitStack() as stack:
         servers: dict[str, VllmServer] = {}
@@ -303,7 +316,8 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
             server = VllmServer(target, out / "logs" / f"{row.name}.log",
                                 speculative_config=configs[row.name], dtype=dtype,
                                 max_model_len=max_model_len, kv_cache_bytes=KV_CACHE_BYTES,
-                                start_timeout=start_timeout)
+                                start_timeout=start_timeout,
+                                env=serving_env(row_env.get(row.name)))
             try:
                 servers[row.name] = stack.enter_context(server)
             except Exception as e:
@@ -355,8 +369,20 @@ def _concurrency(text: str) -> list[int]:
     return values
 
 
+def _row_env(text: str) -> tuple[str, str, str]:
+    name, sep, assignment = text.partition(":")
+    key, eq, value = assignment.partition("=")
+    if not (sep and eq and name and key):
+        raise argparse.ArgumentTypeError(
+            f"bad --row-env {text!r}: NAME:KEY=VALUE, e.g. none:VLLM_CPU_OMP_THREADS_BIND=auto")
+    return name, key, value
+
+
 def _cmd_serving(a: argparse.Namespace) -> None:
     size = SIZES["quick" if a.quick else "full"]
+    row_env: dict[str, dict[str, str]] = {}
+    for name, key, value in a.row_env or []:
+        row_env.setdefault(name, {})[key] = value
     target = resolve_target(a.target)
     out = Path(a.out) if a.out else default_out_dir("serving")
     result = run_serving(
@@ -367,7 +393,7 @@ def _cmd_serving(a: argparse.Namespace) -> None:
         repeats=a.repeats or size["repeats"],
         warmup_runs=size["warmup_runs"] if a.warmup_runs is None else a.warmup_runs,
         requests=a.requests, k=a.k, dtype=a.dtype or default_dtype(),
-        categories=tuple(a.categories or CATEGORIES))
+        categories=tuple(a.categories or CATEGORIES), row_env=row_env)
     print("\n" + result["summary"])
     print(f"{out}/serving.json\n{out}/{result['plots'][0]}")
 
@@ -388,4 +414,8 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--warmup-runs", type=int, metavar="N",
                    help="untimed runs per server before the timed ones at each concurrency "
                    "(default: by size)")
+    p.add_argument("--row-env", action="append", type=_row_env, metavar="NAME:KEY=VALUE",
+                   help="an environment variable for row NAME's server only (repeatable), "
+                   "e.g. to compare vLLM's CPU thread binding: "
+                   "none-vllm:VLLM_CPU_OMP_THREADS_BIND=auto")
     p.set_defaults(fn=_cmd_serving)

@@ -15,7 +15,7 @@ import psutil
 import pytest
 from vllm_carryover.benchmarks.main import main as benchmarks_main
 
-from vllm_carryover.run_settings import SHIPPED_DRAFTERS
+from vllm_carryover.run_settings import CPU_BINDING_VARS, SHIPPED_DRAFTERS, serving_env
 
 CARRYOVER = f"carryover=carryover:{SHIPPED_DRAFTERS / 'carryover'}"
 K = 7
@@ -89,14 +89,24 @@ def test_acceptance_quick_result_has_tau_positions_and_speed_per_category(
 
 
 def test_serving_quick_result_has_ratios_to_no_speculation_and_stops_servers(
-        tmp_path: Path, smollm2: Path, server_tag: str) -> None:
+        tmp_path: Path, smollm2: Path, server_tag: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in CPU_BINDING_VARS:
+        monkeypatch.delenv(var, raising=False)
     benchmarks_main(["serving", "--quick", "--row", "none", "--row", CARRYOVER,
                      "--num-prompts", "1", "--max-tokens", str(MAX_TOKENS),
                      "--concurrency", "1,4", "--repeats", "2", "--warmup-runs", "1",
+                     "--row-env", "none:VLLM_CPU_OMP_THREADS_BIND=auto",
                      "-k", str(K), "--out", str(tmp_path)])
     result = json.loads((tmp_path / "serving.json").read_text())
 
     assert not vllm_serve_pids(server_tag)
+    # vLLM's own binding for the row that asked for it, every core for the other one
+    assert result["args"]["server_env"] == {
+        "none": {"VLLM_CPU_OMP_THREADS_BIND": "auto"},
+        "carryover": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
+    assert "reserve_cpu_num=0" not in (tmp_path / "logs/none.log").read_text()
+    assert "reserve_cpu_num=0" in (tmp_path / "logs/carryover.log").read_text()
     assert {"date", "command", "machine", "args", "runs", "table", "goals", "summary",
             "plots"} <= set(result)
     assert result["args"]["num_prompts"] == len(CATEGORIES)
@@ -155,3 +165,21 @@ def test_serving_runs_three_waves_and_five_prompts_per_category_unless_told() ->
     assert requests_per_run(16, num_categories=1, total_prompts=10) == 10
     assert requests_per_run(1, 5, 50, requests=25) == 25
     assert requests_per_run(16, 5, 50, requests=80) == 50  # never a prompt twice
+
+
+def test_served_engines_get_every_cpu_core_unless_a_binding_was_chosen(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    for var in CPU_BINDING_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    every_core = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert serving_env() == every_core
+    assert serving_env({"A": "1"}) == every_core | {"A": "1"}
+    assert serving_env({"VLLM_CPU_OMP_THREADS_BIND": "0"}) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the user's choice wins
+    assert serving_env() == {}
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no CPU worker to bind
+    assert serving_env({"A": "1"}) == {"A": "1"}

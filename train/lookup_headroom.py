@@ -105,7 +105,8 @@ def lookup_headroom(target: str, init: str, data: str, chunk: int = 64,
                          "both": torch.where(proposed[:, None], looked, model),
                          "corpus": from_corpus, "lookup+corpus": either,
                          "all": torch.where((proposed | in_corpus)[:, None], either, model)}
-            for name in ("all", seq.category) if seq.category else ("all",):
+            groups = ("all", seq.category) if seq.category else ("all",)
+            for name in groups:
                 visits = {policy: walks[name][policy].add(drafts, label)
                           for policy, drafts in by_policy.items()}
                 both = visits["both"]  # the steps of the `both` walk that used the lookup

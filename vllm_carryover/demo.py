@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from vllm_carryover.corpus_lookup import CORPUS_FILE
-from vllm_carryover.run_settings import SHIPPED_DRAFTERS, SHIPPED_LOOKUPS
+from vllm_carryover.run_settings import SHIPPED_DRAFTERS, SHIPPED_LOOKUPS, serving_env
 from vllm_carryover.server_process import VllmServer
 
 QUESTIONS = [
@@ -89,15 +89,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.de
     spec = {"method": "carryover", "model": str(drafter), "num_speculative_tokens": a.k}
     if a.prompt_lookup:
         spec |= SHIPPED_LOOKUPS | {"corpus_lookup": (drafter / CORPUS_FILE).is_file()}
-    print(f"target : {target}\ndrafter: {drafter}\ndtype  : {a.dtype}\nlogs   : {logs}\n")
+    env = serving_env()  # both servers alike
+    print(f"target : {target}\ndrafter: {drafter}\ndtype  : {a.dtype}\nlogs   : {logs}")
+    print(f"env    : {' '.join(f'{k}={v}' for k, v in env.items()) or '(as set)'}\n")
 
     print("starting vllm serve without speculation ...", flush=True)
-    with VllmServer(target, logs / "plain.log", dtype=a.dtype) as plain:
+    with VllmServer(target, logs / "plain.log", dtype=a.dtype, env=env) as plain:
         warm_up(plain.url, str(target))
         plain_answers, plain_tokens, plain_s = chat_all(plain.url, str(target), a.max_tokens)
     print("starting vllm serve with carryover ...", flush=True)
     with VllmServer(target, logs / "carryover.log", speculative_config=spec,
-                    dtype=a.dtype) as server:
+                    dtype=a.dtype, env=env) as server:
         warm_up(server.url, str(target))
         before = server.metrics()
         answers, tokens, seconds = chat_all(server.url, str(target), a.max_tokens)

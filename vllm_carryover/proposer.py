@@ -189,8 +189,11 @@ class CarryoverProposer(DFlashProposer):
         now, tokens = time.perf_counter(), None
         if self._sampled is not None:
             sampled, discarded = self._sampled
-            if not bool(discarded[:num_reqs].any()):  # no request in a prefill chunk
-                tokens = int((sampled[:num_reqs] >= 0).sum())
+            # one read from the device for both counts
+            in_prefill, emitted = torch.stack((discarded[:num_reqs].sum(),
+                                               (sampled[:num_reqs] >= 0).sum())).tolist()
+            if not in_prefill:  # no request in a prefill chunk
+                tokens = emitted
         req_ids = tuple(self._runner.input_batch.req_ids[:num_reqs])
         if self.gate.step(now, req_ids, tokens) and self.gate.counted % GATE_LOG_EVERY == 0:
             logger.info("Drafter beside the lookups, per batch size: %s (choice; tokens/s "

@@ -7,6 +7,7 @@ the same serving length and record how they were started; one definition each.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -24,6 +25,28 @@ SERVE_MAX_MODEL_LEN = 4096
 # KV cache of one measuring engine (about 14k fp32 SmolLM2 tokens): room for a batch
 # of held-out prompts without taking the memory a second engine needs.
 KV_CACHE_BYTES = 1 << 30
+
+
+# vLLM's own CPU thread binding; a user who set either variable keeps it.
+CPU_BINDING_VARS = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
+
+
+def serving_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a server the demo or the serving benchmark starts: `extra`, and
+    on a CPU vLLM's worker on every core of its NUMA node, unless the user's environment
+    or `extra` chose a binding, or a GPU runs the model.
+
+    By default vLLM's CPU worker leaves one core to the API server and the engine's
+    scheduler. On a 2-core machine that halves the worker, while those processes use a
+    small part of the other core: there every row served faster with both cores, no
+    speculation 1.1x and carryover 1.5x at concurrency 1 (docs/results.md, session 33)."""
+    import torch
+
+    extra = extra or {}
+    chosen = any(v in os.environ or v in extra for v in CPU_BINDING_VARS)
+    if chosen or torch.cuda.is_available():
+        return dict(extra)
+    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"} | extra
 
 
 def resolve_target(target: str | None) -> str:
