@@ -288,6 +288,7 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
     if unknown := sorted(set(row_env) - {r.name for r in rows}):
         raise ValueError(f"--row-env names no row: {', '.join(unknown)} (rows: "
                          f"{', '.join(r.name for r in rows)})")
+    server_env = {r.name: serving_env(row_env.get(r.name)) for r in rows}
     dtype = dtype or default_dtype()
     out.mkdir(parents=True, exist_ok=True)
     prompts = out / "prompts.jsonl"
@@ -306,7 +307,7 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
                  "k": k, "dtype": dtype, "temperature": 0.0, "max_model_len": max_model_len,
                  "kv_cache_memory_bytes": KV_CACHE_BYTES,
                  # each row's server's environment, beyond this process's
-                 "server_env": {r.name: serving_env(row_env.get(r.name)) for r in rows}},
+                 "server_env": server_env},
         "runs": []}
     with contextlib.ExitStack() as stack:
         servers: dict[str, VllmServer] = {}
@@ -317,7 +318,7 @@ def run_serving(rows: list[Row], target: str, out: Path, *, num_prompts: int,
                                 speculative_config=configs[row.name], dtype=dtype,
                                 max_model_len=max_model_len, kv_cache_bytes=KV_CACHE_BYTES,
                                 start_timeout=start_timeout,
-                                env=serving_env(row_env.get(row.name)))
+                                env=server_env[row.name])
             try:
                 servers[row.name] = stack.enter_context(server)
             except Exception as e:

@@ -39,7 +39,8 @@ def serving_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     By default vLLM's CPU worker leaves one core to the API server and the engine's
     scheduler. On a 2-core machine that halves the worker, while those processes use a
     small part of the other core: there every row served faster with both cores, no
-    speculation 1.1x and carryover 1.5x at concurrency 1 (docs/results.md, session 33)."""
+    speculation 1.23x / 1.60x / 1.49x and carryover 1.27x / 1.45x / 1.48x at concurrency
+    1 / 4 / 16 (docs/results.md, session 33)."""
     import torch
 
     extra = extra or {}
