@@ -21,6 +21,8 @@ concurrency-16 run) are summed apart and printed as totals:
 
 On a CPU there is nothing asynchronous to wait for, so these are the real costs.
 Multiprocess IPC is absent here by construction (served engines pay it on top).
+Torch runs on every core this process may use (`--threads`), as a served worker
+does with `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (the benchmarks' default).
 
     python -m benchmarks.step_profile --batch 1
     python -m benchmarks.step_profile --batch 16 --drafter DIR --dtype bfloat16
@@ -89,12 +91,17 @@ def main() -> None:
                    "lookup, else the drafter's first token), at a fixed K")
     p.add_argument("--dtype", default="auto", help="auto: the machine's fastest")
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="torch threads for the engine (default: every core this process "
+                   "may use, as a served worker with VLLM_CPU_NUM_OF_RESERVED_CPU=0 has)")
     p.add_argument("--out", help="also write the result as JSON here")
     p.add_argument("--torch-profile", type=int, default=0, metavar="N",
                    help="also print the N operators with the most self CPU time inside "
                    "the drafter's propose calls (torch.profiler, measured steps only)")
     a = p.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+    # in-process vLLM cuts torch to one thread unless OMP_NUM_THREADS was set outside it
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)
 
     from vllm import LLM, SamplingParams
     from vllm_carryover.benchmarks.eval_prompts import chat_token_ids, heldout_prompts
@@ -176,15 +183,16 @@ def main() -> None:
         for name, (us, calls) in top:
             print(f"  {us / 1e3 / decode_steps:8.3f}  {calls / decode_steps:5.1f} calls  {name}")
     result = {"batch": a.batch, "k": a.k if spec else 0, "lookups": a.lookups,
+              "threads": a.threads,
               "dtype": resolve_dtype(a.dtype),
               "drafter": drafter, "steps": timer.steps["decode"],
               "ms_per_step": timer.ms("decode", per_step=True),
               "prefill_steps": timer.steps["prefill"],
               "prefill_ms": timer.ms("prefill", per_step=False)}
     width = max(map(len, result["ms_per_step"]))
-    print(f"batch {a.batch}, K={result['k']}, {result['dtype']}: ms per full-batch decode step "
-          f"({result['steps']} steps), and in all over the {result['prefill_steps']} prefill "
-          "step(s):")
+    print(f"batch {a.batch}, K={result['k']}, {result['dtype']}, {a.threads} thread(s): "
+          f"ms per full-batch decode step ({result['steps']} steps), and in all over the "
+          f"{result['prefill_steps']} prefill step(s):")
     for part, ms in result["ms_per_step"].items():
         print(f"  {part:<{width}} {ms:8.2f}  {result['prefill_ms'][part]:9.2f}")
     print(json.dumps(result))

@@ -2,7 +2,8 @@
 
 Tests start engines through this script (`engine_runner.run_engine`, over the
 package's `EngineProcess`) so that every engine gets a clean process, as vLLM
-expects.
+expects; its engine core and worker run inside that process (`IN_PROCESS`, the
+"uni" executor).
 Input keys: model, prompts (list of token-id lists), max_tokens, engine (extra
 LLM kwargs, e.g. speculative_config), temperature, seed; optional seeds (one per
 prompt, replacing seed: repeated prompts then sample independently yet reproducibly).
@@ -31,7 +32,7 @@ def main() -> None:
 
     engine = dict(dtype="float32", enforce_eager=True, max_model_len=1024,
                   kv_cache_memory_bytes=KV_CACHE_BYTES, disable_log_stats=False,
-                  skip_tokenizer_init=True)
+                  skip_tokenizer_init=True, distributed_executor_backend="uni")
     engine.update(job.get("engine", {}))
     llm = LLM(model=job["model"], **engine)
 

