@@ -1,20 +1,20 @@
 """`python -m benchmarks serving`: end-to-end throughput and latency of `vllm serve`.
 
-Every row gets its own `vllm serve` on 127.0.0.1 (a free port), on a CPU with
-vLLM's worker on every core unless a thread binding was chosen (`serving_env`;
-`--row-env` sets variables for one row's server). All servers are started first
-and stay up; then, for each concurrency, `vllm bench serve` drives
-them one at a time in turn on the same held-out prompts (greedy, completions
-API), the order reversed on every repeat, so slow drifts of a noisy machine hit
-all rows alike. Before the timed repeats at each concurrency every server gets
-`--warmup-runs` untimed runs of the same requests: a speculative server's very
-first request often waited 0.5-1.8 s for its first token on a 2-core CPU, against
-0.05-0.13 s for the next ones, and would weigh on the first repeat of a 5-request
-run. (After idling while other rows run, a speculative server's first request is
-still slow now and then, 0.4-0.5 s; that cost is measured, as a user would meet it.)
-Reported per row and concurrency: output tokens/s, mean TPOT and mean TTFT
-(averaged over repeats), their ratios to no speculation measured in the same
-run, and tau from the server's own spec-decode counters. Every server started
+Every row gets its own `vllm serve` on 127.0.0.1 (a free port), on a CPU with vLLM's
+worker on every core unless a thread binding was chosen, and numba's own thread pool
+for vLLM's n-gram (`serving_env`; `--row-env` sets variables for one row's server).
+All servers are started first and stay up; then, for each concurrency, `vllm bench
+serve` drives them one at a time in turn on the same held-out prompts (greedy,
+completions API), the order reversed on every repeat, so slow drifts of a noisy
+machine hit all rows alike. Before the timed repeats at each concurrency every
+server gets `--warmup-runs` untimed runs of the same requests: a speculative
+server's very first request often waited 0.5-1.8 s for its first token on a 2-core
+CPU, against 0.05-0.13 s for the next ones, and would weigh on the first repeat of a
+5-request run. (After idling while other rows run, a speculative server's first
+request is still slow now and then, 0.4-0.5 s; that cost is measured, as a user
+would meet it.) Reported per row and concurrency: output tokens/s, mean TPOT and
+mean TTFT (averaged over repeats), their ratios to no speculation measured in the
+same run, and tau from the server's own spec-decode counters. Every server started
 is stopped on the way out, also when one fails to start.
 
 Writes serving.json, serving.md, serving_throughput.png and the server logs to

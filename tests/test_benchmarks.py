@@ -15,7 +15,12 @@ import psutil
 import pytest
 from vllm_carryover.benchmarks.main import main as benchmarks_main
 
-from vllm_carryover.run_settings import CPU_BINDING_VARS, SHIPPED_DRAFTERS, serving_env
+from vllm_carryover.run_settings import (
+    CPU_BINDING_VARS,
+    NUMBA_LAYER_VAR,
+    SHIPPED_DRAFTERS,
+    serving_env,
+)
 
 CARRYOVER = f"carryover=carryover:{SHIPPED_DRAFTERS / 'carryover'}"
 K = 7
@@ -167,18 +172,22 @@ def test_serving_runs_three_waves_and_five_prompts_per_category_unless_told() ->
     assert requests_per_run(16, 5, 50, requests=80) == 50  # never a prompt twice
 
 
-def test_served_engines_get_every_cpu_core_unless_a_binding_was_chosen(
+def test_served_cpu_engines_get_every_core_and_numbas_own_pool_unless_chosen(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    for var in CPU_BINDING_VARS:
+    for var in (*CPU_BINDING_VARS, NUMBA_LAYER_VAR):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     every_core = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    assert serving_env() == every_core
-    assert serving_env({"A": "1"}) == every_core | {"A": "1"}
-    assert serving_env({"VLLM_CPU_OMP_THREADS_BIND": "0"}) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    numba_pool = {NUMBA_LAYER_VAR: "workqueue"}
+    assert serving_env() == every_core | numba_pool
+    assert serving_env({"A": "1"}) == every_core | numba_pool | {"A": "1"}
+    assert serving_env({"VLLM_CPU_OMP_THREADS_BIND": "0"}) == numba_pool | {
+        "VLLM_CPU_OMP_THREADS_BIND": "0"}
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the user's choice wins
+    assert serving_env() == numba_pool
+    monkeypatch.setenv(NUMBA_LAYER_VAR, "omp")
     assert serving_env() == {}
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no CPU worker to bind

@@ -29,25 +29,38 @@ KV_CACHE_BYTES = 1 << 30
 
 # vLLM's own CPU thread binding; a user who set either variable keeps it.
 CPU_BINDING_VARS = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
+# numba's thread pool for vLLM's n-gram proposer (`serving_env`); a user's choice stays.
+NUMBA_LAYER_VAR = "NUMBA_THREADING_LAYER"
 
 
 def serving_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a server the demo or the serving benchmark starts: `extra`, and
-    on a CPU vLLM's worker on every core of its NUMA node, unless the user's environment
-    or `extra` chose a binding, or a GPU runs the model.
+    on a CPU vLLM's worker on every core of its NUMA node (unless the user's environment
+    or `extra` chose a binding) with numba on its own thread pool (unless chosen too).
 
     By default vLLM's CPU worker leaves one core to the API server and the engine's
     scheduler. On a 2-core machine that halves the worker, while those processes use a
     small part of the other core: there every row served faster with both cores, no
     speculation 1.23x / 1.60x / 1.49x and carryover 1.27x / 1.45x / 1.48x at concurrency
-    1 / 4 / 16 (docs/results.md, session 33)."""
+    1 / 4 / 16 (docs/results.md, session 33).
+
+    vLLM's n-gram proposer calls `numba.set_num_threads` around every proposal. With
+    numba's default OpenMP layer that sets the OpenMP thread count torch uses on the
+    worker's main thread, so after the first proposal the target runs on one thread.
+    Numba's own "workqueue" pool leaves torch's alone: n-gram served 35.9 instead of 31.6
+    tok/s at concurrency 1 and 234 instead of 158 at 16 (docs/results.md, session 35).
+    No other row uses numba's parallel pool."""
     import torch
 
     extra = extra or {}
-    chosen = any(v in os.environ or v in extra for v in CPU_BINDING_VARS)
-    if chosen or torch.cuda.is_available():
+    if torch.cuda.is_available():
         return dict(extra)
-    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"} | extra
+    env: dict[str, str] = {}
+    if not any(v in os.environ or v in extra for v in CPU_BINDING_VARS):
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    if NUMBA_LAYER_VAR not in os.environ:
+        env[NUMBA_LAYER_VAR] = "workqueue"
+    return env | extra
 
 
 def resolve_target(target: str | None) -> str:
