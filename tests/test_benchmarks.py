@@ -96,7 +96,7 @@ def test_acceptance_quick_result_has_tau_positions_and_speed_per_category(
 def test_serving_quick_result_has_ratios_to_no_speculation_and_stops_servers(
         tmp_path: Path, smollm2: Path, server_tag: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in CPU_BINDING_VARS:
+    for var in (*CPU_BINDING_VARS, NUMBA_LAYER_VAR):
         monkeypatch.delenv(var, raising=False)
     benchmarks_main(["serving", "--quick", "--row", "none", "--row", CARRYOVER,
                      "--num-prompts", "1", "--max-tokens", str(MAX_TOKENS),
@@ -107,9 +107,10 @@ def test_serving_quick_result_has_ratios_to_no_speculation_and_stops_servers(
 
     assert not vllm_serve_pids(server_tag)
     # vLLM's own binding for the row that asked for it, every core for the other one
+    numba_pool = {NUMBA_LAYER_VAR: "workqueue"}
     assert result["args"]["server_env"] == {
-        "none": {"VLLM_CPU_OMP_THREADS_BIND": "auto"},
-        "carryover": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
+        "none": numba_pool | {"VLLM_CPU_OMP_THREADS_BIND": "auto"},
+        "carryover": numba_pool | {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
     assert "reserve_cpu_num=0" not in (tmp_path / "logs/none.log").read_text()
     assert "reserve_cpu_num=0" in (tmp_path / "logs/carryover.log").read_text()
     assert {"date", "command", "machine", "args", "runs", "table", "goals", "summary",
