@@ -231,7 +231,7 @@ def with_corpus_everywhere(drafter: Path, samples: np.ndarray, out: Path) -> Pat
     table = CorpusTable.build([(PROMPT, row) for row in samples.tolist()])
     usual = int(np.bincount(samples.ravel(), minlength=VOCAB).argmax())
     everywhere = {(a, b): usual for a in range(VOCAB) for b in range(VOCAB)}
-    CorpusTable({**everywhere, **table.next_token}).save(out / CORPUS_FILE)
+    CorpusTable.from_dict({**everywhere, **table.to_dict()}).save(out / CORPUS_FILE)
     return out
 
 

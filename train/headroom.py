@@ -151,11 +151,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(fn=_run)
 
 
-def add_drafter_options(p: argparse.ArgumentParser) -> None:
-    """The options of a held-out analysis of one drafter (this one and `lookup-headroom`)."""
+def add_drafter_options(p: argparse.ArgumentParser, init_required: bool = True) -> None:
+    """The options of a held-out analysis of one drafter (this one and `lookup-headroom`,
+    where the drafter is optional)."""
     p.add_argument("--target", help="target model folder (default: the testbed SmolLM2 folder)")
-    p.add_argument("--init", required=True,
-                   help="drafter folder, or a run name in the cache (its final.pt)")
+    p.add_argument("--init", required=init_required,
+                   help="drafter folder, or a run name in the cache (its final.pt)"
+                   + ("" if init_required else "; without it only the lookups are walked"))
     p.add_argument("--data", default=DEFAULT_DATA,
                    help="dataset name in the cache (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads (default: %(default)s)")

@@ -18,10 +18,13 @@ greedy speculative run does (`WalkStats`) under these policies:
   all            the prompt lookup's, else the corpus lookup's, else the drafter's block
 
 Reported per category (and "all"): each policy's tau (tokens per step), and the share
-of the `both` walk's steps that used the lookup. `--max-response-tokens N` walks only
-each response's first N tokens, the part a served request with `max_tokens` N writes:
-the lookups draft more of a response's later tokens, where it has begun to repeat
-itself (docs/results.md, session 31), so a short-answer benchmark meets fewer of them.
+of the `both` walk's steps that used the lookup. Without `--init` only the policies
+that need no drafter (lookup, corpus, lookup+corpus), `-k` tokens per step, in seconds:
+how a corpus table's rule (`--min-count`, `--min-share`) drafts.
+`--max-response-tokens N` walks only each response's first N tokens, the part a
+served request with `max_tokens` N writes: the lookups draft more of a response's later
+tokens, where it has begun to repeat itself (docs/results.md, session 31), so a
+short-answer benchmark meets fewer of them.
 Target states and drafts are computed in the machine's fastest dtype (bf16 where
 native), as training's held-out estimate is.
 """
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
     import torch
 
 POLICIES = ("drafter", "lookup", "both", "corpus", "lookup+corpus", "all")
+LOOKUP_POLICIES = ("lookup", "corpus", "lookup+corpus")  # the walks without a drafter
 NO_DRAFT = -1  # a draft id no label equals
 
 
@@ -63,12 +67,25 @@ def anchored_drafts(tokens: torch.Tensor, start: int, num_drafts: int,
     return drafts, (drafts != NO_DRAFT).any(-1)
 
 
-def lookup_headroom(target: str, init: str, data: str, chunk: int = 64,
+def response_labels(tokens: torch.Tensor, start: int, num_drafts: int) -> torch.Tensor:
+    """The labels [A, K] of the blocks anchored at positions start .. T - 2 of `tokens`
+    [T]: the true tokens after each anchor, IGNORE past the end (as `greedy_blocks`)."""
+    import torch
+    from vllm_carryover.train.dflash_loss import IGNORE
+
+    at = torch.arange(start, tokens.shape[0] - 1)[:, None] + torch.arange(1, num_drafts + 1)
+    return torch.where(at < tokens.shape[0], tokens.cpu()[at.clamp(max=tokens.shape[0] - 1)],
+                       IGNORE)
+
+
+def lookup_headroom(target: str, init: str | None, data: str, chunk: int = 64,
                     min_count: int = MIN_COUNT, min_share: float = MIN_SHARE,
-                    max_response_tokens: int | None = None) -> dict[str, dict[str, float]]:
+                    max_response_tokens: int | None = None, num_drafts: int = 7
+                    ) -> dict[str, dict[str, float]]:
     """Per category (and "all"): each policy's walked tau and the lookup's share of the
     `both` walk's steps; `min_count` / `min_share`: the corpus table's rule;
-    `max_response_tokens`: walk only each response's first this many tokens."""
+    `max_response_tokens`: walk only each response's first this many tokens. Without a
+    drafter (`init` None) only the lookups' policies, `num_drafts` tokens per step."""
     import torch
     from tqdm import tqdm
     from vllm_carryover.train.baseline import greedy_blocks, load_sequences, sequence_feed
@@ -78,42 +95,54 @@ def lookup_headroom(target: str, init: str, data: str, chunk: int = 64,
     from vllm_carryover.train.paths import data_dir
     from vllm_carryover.train.target_states import truncated_decoder
 
-    place = placement()  # the machine's fastest dtype, as training evaluates
-    drafter = load_drafter(target, init).to(place.device)
-    k = drafter.config.block_size - 1
-    layer_ids = list(drafter.config.target_layer_ids)
-    feed = sequence_feed(place, layer_ids, truncated_decoder(
-        target, max(layer_ids), place.dtype, place.device))
+    policies = POLICIES if init else LOOKUP_POLICIES
+    drafter, layer_ids = None, []
+    if init:
+        place = placement()  # the machine's fastest dtype, as training evaluates
+        drafter = load_drafter(target, init).to(place.device)
+        num_drafts = drafter.config.block_size - 1
+        layer_ids = list(drafter.config.target_layer_ids)
+        feed = sequence_feed(place, layer_ids, truncated_decoder(
+            target, max(layer_ids), place.dtype, place.device))
     seqs = [seq if max_response_tokens is None else
             replace(seq, tokens=seq.tokens[: seq.response_start + max_response_tokens])
             for seq in load_sequences(target, data, layer_ids, cached=False)["heldout"]]
     corpus = corpus_table(data_dir(data), min_count, min_share)
     vllm_lookup = PromptLookup(DEFAULT_MIN_N, DEFAULT_MAX_N, 1 << 30).propose  # vLLM's matcher
     walks: dict[str, dict[str, WalkStats]] = defaultdict(
-        lambda: {p: WalkStats() for p in POLICIES})
+        lambda: {p: WalkStats() for p in policies})
     lookup_steps: dict[str, int] = defaultdict(int)
-    with torch.no_grad(), place.autocast():
+    with torch.no_grad():
         for seq in tqdm(seqs, desc="lookup headroom", unit="seq"):
             start, t = seq.response_start, seq.tokens.shape[0]
             if t - 1 <= start:
                 continue
-            model, label = greedy_blocks(drafter, feed(seq), chunk)
-            looked, proposed = anchored_drafts(seq.tokens, start, k, vllm_lookup)
-            from_corpus, in_corpus = anchored_drafts(seq.tokens, start, k, corpus.propose)
+            looked, proposed = anchored_drafts(seq.tokens, start, num_drafts, vllm_lookup)
+            from_corpus, in_corpus = anchored_drafts(seq.tokens, start, num_drafts,
+                                                     corpus.propose)
             either = torch.where(proposed[:, None], looked, from_corpus)
-            by_policy = {"drafter": model, "lookup": looked,
-                         "both": torch.where(proposed[:, None], looked, model),
-                         "corpus": from_corpus, "lookup+corpus": either,
-                         "all": torch.where((proposed | in_corpus)[:, None], either, model)}
+            by_policy = {"lookup": looked, "corpus": from_corpus, "lookup+corpus": either}
+            if drafter is None:
+                label = response_labels(seq.tokens, start, num_drafts)
+            else:
+                with place.autocast():
+                    model, label = greedy_blocks(drafter, feed(seq), chunk)
+                model = model.cpu()
+                by_policy |= {"drafter": model,
+                              "both": torch.where(proposed[:, None], looked, model),
+                              "all": torch.where((proposed | in_corpus)[:, None], either, model)}
+            label = label.cpu()
             groups = ("all", seq.category) if seq.category else ("all",)
             for name in groups:
                 visits = {policy: walks[name][policy].add(drafts, label)
                           for policy, drafts in by_policy.items()}
-                both = visits["both"]  # the steps of the `both` walk that used the lookup
-                lookup_steps[name] += int((both & proposed[: len(both)]).sum())
-    return {name: {**{p: round(w[p].tau(), 4) for p in POLICIES},
-                   "both_steps": w["both"].rounds,
-                   "lookup_share": round(lookup_steps[name] / max(w["both"].rounds, 1), 4)}
+                if "both" in visits:  # the steps of the `both` walk that used the lookup
+                    lookup_steps[name] += int((visits["both"] & proposed[: len(visits["both"])]
+                                               ).sum())
+    return {name: {p: round(w[p].tau(), 4) for p in policies}
+            | ({"both_steps": w["both"].rounds,
+                "lookup_share": round(lookup_steps[name] / max(w["both"].rounds, 1), 4)}
+               if init else {})
             for name, w in walks.items()}
 
 
@@ -121,11 +150,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "lookup-headroom", help="what prompt lookup and the drafter could do together",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_drafter_options(p)
+    add_drafter_options(p, init_required=False)
     add_corpus_rule_options(p)
     p.add_argument("--max-response-tokens", type=int, metavar="N",
                    help="walk only each response's first N tokens, as a served request "
                    "with max_tokens N writes them (default: whole responses)")
+    p.add_argument("-k", type=int, default=7,
+                   help="tokens per step without --init (with it: the drafter's block "
+                   "size - 1; default: %(default)s)")
     p.set_defaults(fn=_run)
 
 
@@ -136,5 +168,6 @@ def _run(a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
     print_table(lookup_headroom(a.target or default_target(), a.init, a.data,
                                 min_count=a.min_count, min_share=a.min_share,
-                                max_response_tokens=a.max_response_tokens),
-                [*POLICIES, "both_steps", "lookup_share"], a.out)
+                                max_response_tokens=a.max_response_tokens, num_drafts=a.k),
+                [*POLICIES, "both_steps", "lookup_share"] if a.init else LOOKUP_POLICIES,
+                a.out)

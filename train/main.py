@@ -182,10 +182,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
     t = sub.add_parser(
         "corpus-table", help="the corpus lookup's table, written into a drafter folder",
         description="What the target most often wrote after each context of 2-5 tokens in "
-        "the dataset's train responses, where that is confident (by default seen twice or "
-        "more, and half of that context's continuations or more), written to the drafter "
-        "folder as corpus_table.npz. Serving with \"corpus_lookup\": true drafts its chains "
-        "(vllm_carryover/corpus_lookup.py).")
+        "the dataset's train responses (by default every context's most frequent "
+        "continuation; --min-count and --min-share keep only confident ones), written to "
+        "the drafter folder as corpus_table.npz. Serving with \"corpus_lookup\": true "
+        "drafts its chains (vllm_carryover/corpus_lookup.py).")
     t.add_argument("--drafter", required=True, help="drafter folder to write the table into")
     t.add_argument("--data", default=DEFAULT_DATA,
                    help="dataset whose train responses make the table (default: %(default)s)")
