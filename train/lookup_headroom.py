@@ -71,11 +71,10 @@ def response_labels(tokens: torch.Tensor, start: int, num_drafts: int) -> torch.
     """The labels [A, K] of the blocks anchored at positions start .. T - 2 of `tokens`
     [T]: the true tokens after each anchor, IGNORE past the end (as `greedy_blocks`)."""
     import torch
-    from vllm_carryover.train.dflash_loss import IGNORE
+    from vllm_carryover.train.dflash_loss import make_blocks
 
-    at = torch.arange(start, tokens.shape[0] - 1)[:, None] + torch.arange(1, num_drafts + 1)
-    return torch.where(at < tokens.shape[0], tokens.cpu()[at.clamp(max=tokens.shape[0] - 1)],
-                       IGNORE)
+    anchors = torch.arange(start, tokens.shape[0] - 1, device=tokens.device)
+    return make_blocks(tokens, anchors, num_drafts + 1, mask_token_id=0).labels
 
 
 def lookup_headroom(target: str, init: str | None, data: str, chunk: int = 64,
@@ -137,13 +136,17 @@ def lookup_headroom(target: str, init: str | None, data: str, chunk: int = 64,
                 visits = {policy: walks[name][policy].add(drafts, label)
                           for policy, drafts in by_policy.items()}
                 if "both" in visits:  # the steps of the `both` walk that used the lookup
-                    lookup_steps[name] += int((visits["both"] & proposed[: len(visits["both"])]
-                                               ).sum())
-    return {name: {p: round(w[p].tau(), 4) for p in policies}
-            | ({"both_steps": w["both"].rounds,
-                "lookup_share": round(lookup_steps[name] / max(w["both"].rounds, 1), 4)}
-               if init else {})
-            for name, w in walks.items()}
+                    both = visits["both"]
+                    lookup_steps[name] += int((both & proposed[: len(both)]).sum())
+
+    def row(name: str, w: dict[str, WalkStats]) -> dict[str, float]:
+        out: dict[str, float] = {p: round(w[p].tau(), 4) for p in policies}
+        if "both" in w:
+            out["both_steps"] = w["both"].rounds
+            out["lookup_share"] = round(lookup_steps[name] / max(w["both"].rounds, 1), 4)
+        return out
+
+    return {name: row(name, w) for name, w in walks.items()}
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
