@@ -7,7 +7,9 @@ Needs only torch, triton and this project installed (`pip install --no-deps -e .
 no vLLM). For every shape it first checks the
 Triton kernels against their references, then times them with CUDA events
 (median over --reps, L2 flushed before each rep) and reports achieved GB/s and
-TFLOP/s against the H200's ~4.3 TB/s copy bandwidth and ~790 bf16 TFLOP/s.
+TFLOP/s against this GPU's own peaks, measured first the same way: a 1 GiB
+device-to-device copy (bytes read + written) and an 8192^3 bf16 matmul (an H200
+gives about 4.3 TB/s and 790 TFLOP/s, an H100 about 3.0 TB/s and 800).
 
 Goals (issue 5), both written to the JSON under "goals":
 - attention: draft blocks over context + a full slot (K carried-over keys per
@@ -15,7 +17,8 @@ Goals (issue 5), both written to the JSON under "goals":
 - projection: the fused Triton projection is at least 3x faster than the
   unfused PyTorch ops of the reference at batch 32.
 
-Timed paths. Projection: Triton (K/V out, and straight into paged caches), the
+Timed paths. Projection: Triton (K/V out, and straight into paged caches; and
+`gemm="cublas"`: the norm kernel, cuBLAS's GEMM, then the epilogue kernel), the
 reference (`project_context_kv_reference`: one GEMM plus ~30 small PyTorch
 ops), the reference followed by a cache scatter, and an unfused per-layer path
 (separate K and V GEMMs, norm and RoPE per layer). Attention: Triton over
@@ -23,11 +26,11 @@ context + slot + block and over context + block, the per-request reference,
 and an unfused path (gather through the block table into padded tensors, then
 one masked SDPA).
 
---tune adds tile sweeps of both kernels (projection at batch 32, attention at
-32 x 2048) to choose their default tiles from: the defaults are only known to
-compile without register spills, not tuned. --smoke runs tiny shapes; without
-CUDA it sets TRITON_INTERPRET=1 (before any kernel module is imported) and
-times with a wall clock, so its numbers only prove that every code path runs.
+--tune adds tile sweeps of the fused projection GEMM at batch 32 and of the
+attention at 32 x 2048, which the default tiles were chosen from (H100).
+--smoke runs tiny shapes; without CUDA it sets TRITON_INTERPRET=1 (before any
+kernel module is imported) and times with a wall clock, so its numbers only
+prove that every code path runs.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from typing import Any
 
 import torch
 
-PEAK_GBPS, PEAK_TFLOPS = 4300.0, 790.0  # H200: measured copy bandwidth, dense bf16
+NOMINAL_PEAKS = {"GB/s": 4300.0, "TFLOP/s": 790.0}  # an H200's; --smoke on CPU reports these
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}  # atol = rtol
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -85,13 +88,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Timer:
-    """Median time of a callable: CUDA events with an L2 flush, or a wall clock on CPU."""
+    """Median time of a callable: CUDA events with an L2 flush, or a wall clock on CPU;
+    rates as fractions of the GPU's measured peaks."""
 
     def __init__(self, device: torch.device, reps: int, warmup: int) -> None:
         self.cuda = device.type == "cuda"
         self.reps, self.warmup = reps, warmup
-        # Bigger than the H200's 50 MB L2: weights and KV come from HBM every rep.
+        # Bigger than an H100's or H200's 50-60 MB L2: weights and KV come from HBM every rep.
         self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if self.cuda else None
+        self.peaks = self.measure_peaks(device) if self.cuda else dict(NOMINAL_PEAKS)
+
+    def measure_peaks(self, device: torch.device) -> dict[str, float]:
+        """Copy bandwidth and dense bf16 matmul rate of this GPU, timed as the kernels are."""
+        src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        copy_ms = self.ms(partial(dst.copy_, src))
+        n = 8192
+        a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2))
+        matmul_ms = self.ms(partial(torch.matmul, a, b))
+        return {"GB/s": 2 * (1 << 30) / copy_ms / 1e6, "TFLOP/s": 2 * n ** 3 / matmul_ms / 1e9}
 
     def ms(self, fn: Callable[[], Any]) -> float:
         for _ in range(self.warmup):
@@ -115,11 +130,13 @@ class Timer:
         return statistics.median(times)
 
 
-def rates(ms: float, nbytes: float, flops: float) -> dict[str, float]:
-    """Achieved bandwidth and throughput, and their fractions of the H200 peaks."""
-    gbps, tflops = nbytes / ms / 1e6, flops / ms / 1e9
-    return {"ms": ms, "GB/s": gbps, "TFLOP/s": tflops,
-            "bw_fraction": gbps / PEAK_GBPS, "flop_fraction": tflops / PEAK_TFLOPS}
+    def rates(self, fn: Callable[[], Any], nbytes: float, flops: float) -> dict[str, float]:
+        """`fn`'s median time, bandwidth and throughput, and their fractions of the peaks."""
+        ms = self.ms(fn)
+        gbps, tflops = nbytes / ms / 1e6, flops / ms / 1e9
+        return {"ms": ms, "GB/s": gbps, "TFLOP/s": tflops,
+                "bw_fraction": gbps / self.peaks["GB/s"],
+                "flop_fraction": tflops / self.peaks["TFLOP/s"]}
 
 
 def max_error(got: torch.Tensor, want: torch.Tensor) -> tuple[float, bool]:
@@ -212,9 +229,12 @@ def bench_projection(args: argparse.Namespace, device: torch.device, timer: Time
 
         k_ref, v_ref = project_context_kv_reference(*call)
         k_tri, v_tri = project_context_kv_triton(*call)
+        k_cublas, v_cublas = project_context_kv_triton(*call, gemm="cublas")
         project_context_kv_into_cache_reference(*call, slots, caches[0], caches[1])
         project_context_kv_into_cache_triton(*call, slots, caches[2], caches[3])
         checks = {"K": max_error(k_tri, k_ref), "V": max_error(v_tri, v_ref),
+                  "K cuBLAS GEMM": max_error(k_cublas, k_ref),
+                  "V cuBLAS GEMM": max_error(v_cublas, v_ref),
                   "K cache": max_error(caches[2], caches[0]),
                   "V cache": max_error(caches[3], caches[1])}
         k_unf, v_unf = project_unfused(*call)
@@ -224,6 +244,7 @@ def bench_projection(args: argparse.Namespace, device: torch.device, timer: Time
         nbytes = elem * (out_features * args.hidden + n * args.hidden + n * out_features)
         runs = {
             "triton": partial(project_context_kv_triton, *call),
+            "triton_cublas_gemm": partial(project_context_kv_triton, *call, gemm="cublas"),
             "triton_into_cache": partial(project_context_kv_into_cache_triton, *call, slots,
                                          caches[2], caches[3]),
             "reference": partial(project_context_kv_reference, *call),
@@ -231,7 +252,7 @@ def bench_projection(args: argparse.Namespace, device: torch.device, timer: Time
                                             slots, caches[0], caches[1]),
             "unfused_per_layer": partial(project_unfused, *call),
         }
-        timed = {name: rates(timer.ms(fn), nbytes, flops) for name, fn in runs.items()}
+        timed = {name: timer.rates(fn, nbytes, flops) for name, fn in runs.items()}
         results.append({
             "batch": batch, "rows": n, "flops": flops, "bytes": nbytes,
             "correct": all(ok for _, ok in checks.values()),
@@ -239,6 +260,8 @@ def bench_projection(args: argparse.Namespace, device: torch.device, timer: Time
             "max_abs_error": {k: e for k, (e, _) in checks.items()},
             "times": timed,
             "speedup_vs_reference": timed["reference"]["ms"] / timed["triton"]["ms"],
+            "cublas_gemm_speedup_vs_reference": (timed["reference"]["ms"]
+                                                 / timed["triton_cublas_gemm"]["ms"]),
             "speedup_into_cache_vs_reference": (timed["reference_into_cache"]["ms"]
                                                 / timed["triton_into_cache"]["ms"]),
             "speedup_vs_unfused_per_layer": (timed["unfused_per_layer"]["ms"]
@@ -246,6 +269,7 @@ def bench_projection(args: argparse.Namespace, device: torch.device, timer: Time
         })
         print(f"projection batch={batch:3} rows={n:4}: triton {timed['triton']['ms']:.4f} ms "
               f"({timed['triton']['GB/s']:.0f} GB/s, {timed['triton']['TFLOP/s']:.1f} TFLOP/s), "
+              f"cuBLAS GEMM {timed['triton_cublas_gemm']['ms']:.4f} ms, "
               f"reference {timed['reference']['ms']:.4f} ms, "
               f"x{results[-1]['speedup_vs_reference']:.2f}; correct={results[-1]['correct']}",
               flush=True)
@@ -291,7 +315,7 @@ def bench_attention(args: argparse.Namespace, device: torch.device, timer: Timer
             "unfused_context_slot": (partial(attention_unfused, with_slot, args.causal),
                                      with_slot),
         }
-        timed = {name: rates(timer.ms(fn), *cost(pb)) for name, (fn, pb) in runs.items()}
+        timed = {name: timer.rates(fn, *cost(pb)) for name, (fn, pb) in runs.items()}
         ratio = timed["triton_context_slot"]["ms"] / timed["triton_context_alone"]["ms"]
         results.append({
             "batch": batch, "context": context, "slot": k, "query_len": q_len,
@@ -318,14 +342,16 @@ def time_configs(timer: Timer, configs: list[dict[str, int]],
                  launches_for: Callable[[dict[str, int]], list[Any]],
                  check: Callable[[], bool]) -> dict[str, Any]:
     """Time each tile configuration of one kernel call; a failing one records its error."""
+    from vllm_carryover.kernels.carryover_projection_triton import run_launch
+
     rows = []
     for tiles in configs:
         try:
             launches = launches_for(tiles)
 
             def run(launches: list[Any] = launches) -> None:
-                for kernel, grid, kernel_args, meta in launches:
-                    kernel[grid](*kernel_args, **meta)
+                for launch in launches:
+                    run_launch(launch)
 
             run()
             rows.append({"tiles": tiles, "correct": check(), "ms": timer.ms(run)})
@@ -431,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "config": config,
-        "peaks": {"GB/s": PEAK_GBPS, "TFLOP/s": PEAK_TFLOPS},
+        "peaks": {**timer.peaks, "measured": cuda},
         "correct": all(r["correct"] for r in projection + attention),
         "projection": projection,
         "attention": attention,

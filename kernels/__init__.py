@@ -1,9 +1,14 @@
 """Kernels of the carryover drafting path, each beside its PyTorch reference.
 
-One dispatcher for all of them: Triton when this process sees a CUDA device
-and Triton is installed, the PyTorch reference everywhere else. The
-choice is made once, at import, and can be overridden for tests and benchmarks
-by `VLLM_CARRYOVER_KERNELS=triton|reference` (read at import) or by
+One dispatcher for all of them. Its backends:
+- "auto", when this process sees a CUDA device and Triton is installed: Triton
+  for float16 and bfloat16, the reference for float32. On an H100, Triton's exact
+  float32 dots ran 20-45x slower than the reference's cuBLAS calls (29 ms vs
+  0.66 ms for the projection at batch 32; `benchmarks/results/kernels_gpu/`).
+- "reference", everywhere else: the PyTorch reference.
+- "triton": Triton for every dtype (tests and benchmarks).
+The choice is made once, at import, and can be overridden
+by `VLLM_CARRYOVER_KERNELS=auto|triton|reference` (read at import) or by
 `use_kernels(...)` at any time. The Triton modules are imported only when
 chosen, so CPU installs never touch Triton, and `TRITON_INTERPRET=1` (which
 Triton reads when a kernel module is imported) can still be set before that.
@@ -36,14 +41,14 @@ from vllm_carryover.kernels.carryover_projection import (
 )
 
 ENV_VAR = "VLLM_CARRYOVER_KERNELS"
-BACKENDS = ("triton", "reference")
+BACKENDS = ("auto", "triton", "reference")
 
 _impl: dict[str, Callable[..., Any]] = {}
 _backend = ""
 
 
 def default_backend() -> str:
-    """`$VLLM_CARRYOVER_KERNELS` if set, else triton on a GPU machine with Triton.
+    """`$VLLM_CARRYOVER_KERNELS` if set, else auto on a GPU machine with Triton.
 
     `torch.cuda.device_count()` asks NVML and does not initialize CUDA, so the
     check is safe in vLLM's parent process before it forks workers.
@@ -52,34 +57,46 @@ def default_backend() -> str:
     if forced:
         return forced
     has_triton = importlib.util.find_spec("triton") is not None
-    return "triton" if has_triton and torch.cuda.device_count() > 0 else "reference"
+    return "auto" if has_triton and torch.cuda.device_count() > 0 else "reference"
 
 
 def use_kernels(backend: str) -> None:
-    """Route every entry point to `backend` ("triton" or "reference") from now on."""
+    """Route every entry point to `backend` (one of BACKENDS) from now on."""
     global _backend
     if backend not in BACKENDS:
         raise ValueError(f"{ENV_VAR}/use_kernels: unknown backend {backend!r}; "
                          f"choose one of {', '.join(BACKENDS)}")
-    if backend == "triton":
+    reference = dict(project=project_context_kv_reference,
+                     project_into_cache=project_context_kv_into_cache_reference,
+                     attention=carryover_attention_reference)
+    if backend == "reference":
+        _impl.update(reference)
+    else:
         from vllm_carryover.kernels.carryover_attention_triton import carryover_attention_triton
         from vllm_carryover.kernels.carryover_projection_triton import (
             project_context_kv_into_cache_triton,
             project_context_kv_triton,
         )
 
-        _impl.update(project=project_context_kv_triton,
-                     project_into_cache=project_context_kv_into_cache_triton,
-                     attention=carryover_attention_triton)
-    else:
-        _impl.update(project=project_context_kv_reference,
-                     project_into_cache=project_context_kv_into_cache_reference,
-                     attention=carryover_attention_reference)
+        triton = dict(project=project_context_kv_triton,
+                      project_into_cache=project_context_kv_into_cache_triton,
+                      attention=carryover_attention_triton)
+        if backend == "auto":
+            triton = {name: _float32_to(reference[name], fn) for name, fn in triton.items()}
+        _impl.update(triton)
     _backend = backend
 
 
+def _float32_to(reference: Callable[..., Any], triton: Callable[..., Any]) -> Callable[..., Any]:
+    """`triton`, except that float32 inputs (the first argument's dtype) go to `reference`."""
+    def call(first: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return (reference if first.dtype == torch.float32 else triton)(first, *args, **kwargs)
+
+    return call
+
+
 def backend() -> str:
-    """The implementation the entry points use now: "triton" or "reference"."""
+    """The implementation the entry points use now: one of BACKENDS."""
     return _backend
 
 

@@ -121,10 +121,12 @@ def attention_launches(
 ) -> list[Launch]:
     """The single launch of one attention call (also used to compile it offline).
 
-    BLOCK_M follows from the block and GQA sizes. The default BLOCK_N and warps
-    keep the kernel free of register spills on sm_90 in bfloat16 (checked by
-    tests/kernel_compile.py); they are not tuned on a GPU yet. `tiles` overrides
-    BLOCK_N, num_warps or num_stages (for tuning).
+    BLOCK_M follows from the block and GQA sizes. For tiles of up to 32 x 128 query
+    values the defaults are the fastest of 12 tried on an H100 at 32 requests x 2048
+    keys (`benchmarks/kernels_gpu.py --tune`: BLOCK_N 128, 4 warps, 3 stages); larger
+    ones keep the untuned BLOCK_N 64 and 8 warps. All compile for sm_90 in bfloat16
+    without register spills (tests/kernel_compile.py). `tiles` overrides BLOCK_N,
+    num_warps or num_stages (for tuning).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -147,8 +149,9 @@ def attention_launches(
             seq_lens, query_start_loc,
             out, out.stride(0), out.stride(1),
             scale * math.log2(math.e))
-    tiles = {"BLOCK_N": 64, "num_warps": 4 if block_m * head_dim_pad <= 32 * 128 else 8,
-             "num_stages": 2, **(tiles or {})}
+    small = block_m * head_dim_pad <= 32 * 128  # e.g. 8 queries x GQA 4 at head_dim 128
+    tiles = {"BLOCK_N": 128 if small else 64, "num_warps": 4 if small else 8,
+             "num_stages": 3 if small else 2, **(tiles or {})}
     if set(tiles) != ATTENTION_TILES:
         raise ValueError(f"tiles: only {sorted(ATTENTION_TILES)} can be set, got {sorted(tiles)}")
     meta = dict(

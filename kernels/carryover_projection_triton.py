@@ -1,4 +1,4 @@
-"""Triton fused context K/V projection (semantics: `project_context_kv_reference`).
+"""Triton context K/V projection (semantics: `project_context_kv_reference`).
 
 Two launches do the whole context path for every row of the batch, committed
 and rejected alike, whatever the number of rows per request:
@@ -11,7 +11,14 @@ and rejected alike, whatever the number of rows per request:
    per-head K RMSNorm and RoPE in its epilogue, stored as K/V or straight into
    paged caches.
 
-Tiling of the GEMM: program (m, t) computes BLOCK_M rows x one head tile t,
+`gemm="cublas"` replaces step 2 by cuBLAS's GEMM into an N x (layers * 2 *
+kv_heads * head_dim) buffer and `_kv_epilogue_kernel` (the same epilogue,
+`_finish_head_tile`). On an H100 the fused GEMM reached 150 of ~800 TFLOP/s at
+256 rows, 2.2x the reference's cuBLAS GEMM plus small ops; cuBLAS plus one
+epilogue launch may beat it, which `benchmarks/kernels_gpu.py` measures
+(both paths, side by side). Until it has, the fused kernel stays the default.
+
+Tiling of the fused GEMM: program (m, t) computes BLOCK_M rows x one head tile t,
 where t runs over (layer, K|V, kv head) in the order of `kv_weight`'s rows. A
 head tile is the natural column tile here: K-norm reduces over exactly one head
 and RoPE mixes dimensions of one head only, so both run on registers. RoPE pairs
@@ -79,43 +86,8 @@ def _hidden_norm_kernel(
 
 
 @triton.jit
-def _project_context_kv_kernel(
-    x_ptr, stride_xm,  # normalized states [N, hidden] (from _hidden_norm_kernel)
-    pos_ptr,  # [N] positions
-    w_ptr, stride_wn, stride_wk,  # kv_weight [layers * 2 * kv_heads * head_dim, hidden]
-    bias_ptr,  # kv_bias (read when HAS_BIAS)
-    knorm_ptr, stride_knl,  # K-norm weight [layers, head_dim]
-    cs_ptr, stride_csp,  # cos_sin_cache [max_position, rot_dim]
-    k_out_ptr, v_out_ptr,  # [layers, N, kv_heads, head_dim] (written when WRITE_KV)
-    slot_ptr,  # [N] cache slots, < 0 skips the row (read when WRITE_CACHE)
-    k_cache_ptr, v_cache_ptr, stride_cl, stride_cs, stride_ch,  # caches: layer, slot, kv head
-    N, HIDDEN, eps,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    ROT_DIM: tl.constexpr,
-    HALF_PAD: tl.constexpr,  # HEAD_DIM // 2 rounded up to a power of two (>= 16)
-    IS_NEOX: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    WRITE_KV: tl.constexpr,
-    WRITE_CACHE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,  # tl.dot input precision ("ieee" keeps float32 exact)
-):
-    dtype = x_ptr.dtype.element_ty
-    pid_m = tl.program_id(0)  # row tiles vary fastest: programs sharing weights run together
-    tile = tl.program_id(1)  # (layer * 2 + (0: K, 1: V)) * NUM_KV_HEADS + kv_head
-    layer = tile // (2 * NUM_KV_HEADS)
-    is_k = (tile // NUM_KV_HEADS) % 2 == 0
-    kv_head = tile % NUM_KV_HEADS
-
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < N
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-
-    # The head's dimensions as rotary pairs (a[i], b[i]), i < HEAD_DIM // 2.
-    i = tl.arange(0, HALF_PAD)
-    i_ok = i < HEAD_DIM // 2
+def _rotary_pairs(i, ROT_DIM: tl.constexpr, IS_NEOX: tl.constexpr):
+    """A head's dimensions as rotary pairs (a[i], b[i]), i < head_dim // 2."""
     if IS_NEOX:
         half_rot = ROT_DIM // 2
         dim_a = tl.where(i < half_rot, i, ROT_DIM + 2 * (i - half_rot))
@@ -123,27 +95,24 @@ def _project_context_kv_kernel(
     else:
         dim_a = 2 * i
         dim_b = 2 * i + 1
-    w_a = w_ptr + (tile * HEAD_DIM + dim_a).to(tl.int64)[None, :] * stride_wn
-    w_b = w_ptr + (tile * HEAD_DIM + dim_b).to(tl.int64)[None, :] * stride_wn
+    return dim_a, dim_b
 
-    # GEMM over the hidden dim: [BLOCK_M, BLOCK_K] rows x [BLOCK_K, HALF_PAD] weights, twice.
-    acc_a = tl.zeros([BLOCK_M, HALF_PAD], tl.float32)
-    acc_b = tl.zeros([BLOCK_M, HALF_PAD], tl.float32)
-    for k0 in range(0, HIDDEN, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        col_ok = cols < HIDDEN
-        x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        w_mask = col_ok[:, None] & i_ok[None, :]
-        wa = tl.load(w_a + cols[:, None] * stride_wk, mask=w_mask, other=0.0)
-        wb = tl.load(w_b + cols[:, None] * stride_wk, mask=w_mask, other=0.0)
-        acc_a = tl.dot(x, wa.to(dtype), acc_a, input_precision=PRECISION)
-        acc_b = tl.dot(x, wb.to(dtype), acc_b, input_precision=PRECISION)
 
-    # Epilogue on registers: bias, K-norm and RoPE (K tiles only), store.
-    if HAS_BIAS:
-        bias_at = bias_ptr + tile * HEAD_DIM
-        acc_a += tl.load(bias_at + dim_a, mask=i_ok, other=0.0).to(tl.float32)[None, :]
-        acc_b += tl.load(bias_at + dim_b, mask=i_ok, other=0.0).to(tl.float32)[None, :]
+@triton.jit
+def _finish_head_tile(
+    acc_a, acc_b,  # [BLOCK_M, HALF_PAD] float32: the head's `a` and `b` dims, bias included
+    rows, row_ok, i, i_ok, dim_a, dim_b, layer, is_k, kv_head,
+    pos_ptr, knorm_ptr, stride_knl, cs_ptr, stride_csp, k_out_ptr, v_out_ptr,
+    slot_ptr, k_cache_ptr, v_cache_ptr, stride_cl, stride_cs, stride_ch,
+    N, eps,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
+):
+    """K-norm and RoPE on a K head tile's registers, then store to K/V and/or the caches."""
+    dtype = k_out_ptr.dtype.element_ty  # the states' dtype (an unused output is the states)
     out_a = acc_a.to(dtype).to(tl.float32)
     out_b = acc_b.to(dtype).to(tl.float32)
     if is_k:
@@ -182,8 +151,128 @@ def _project_context_kv_kernel(
         tl.store(cache_base + dim_b[None, :], out_b.to(dtype), mask=cache_mask)
 
 
-Launch = tuple[Any, tuple[int, ...], tuple[Any, ...], dict[str, Any]]  # kernel, grid, args, meta
+@triton.jit
+def _kv_epilogue_kernel(
+    kv_ptr, stride_kvm,  # GEMM output [N, layers * 2 * kv_heads * head_dim], bias included
+    pos_ptr, knorm_ptr, stride_knl, cs_ptr, stride_csp, k_out_ptr, v_out_ptr,
+    slot_ptr, k_cache_ptr, v_cache_ptr, stride_cl, stride_cs, stride_ch,
+    N, eps,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """The fused GEMM's epilogue alone, after a cuBLAS GEMM: program (m, t) finishes
+    BLOCK_M rows of head tile t."""
+    tile = tl.program_id(1)
+    layer = tile // (2 * NUM_KV_HEADS)
+    is_k = (tile // NUM_KV_HEADS) % 2 == 0
+    kv_head = tile % NUM_KV_HEADS
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    i = tl.arange(0, HALF_PAD)
+    i_ok = i < HEAD_DIM // 2
+    dim_a, dim_b = _rotary_pairs(i, ROT_DIM, IS_NEOX)
+    head = kv_ptr + rows.to(tl.int64)[:, None] * stride_kvm + tile * HEAD_DIM
+    mask = row_ok[:, None] & i_ok[None, :]
+    acc_a = tl.load(head + dim_a[None, :], mask=mask, other=0.0).to(tl.float32)
+    acc_b = tl.load(head + dim_b[None, :], mask=mask, other=0.0).to(tl.float32)
+    _finish_head_tile(acc_a, acc_b, rows, row_ok, i, i_ok, dim_a, dim_b, layer, is_k, kv_head,
+                      pos_ptr, knorm_ptr, stride_knl, cs_ptr, stride_csp, k_out_ptr, v_out_ptr,
+                      slot_ptr, k_cache_ptr, v_cache_ptr, stride_cl, stride_cs, stride_ch,
+                      N, eps, NUM_KV_HEADS, HEAD_DIM, ROT_DIM, WRITE_KV, WRITE_CACHE)
+
+
+@triton.jit
+def _project_context_kv_kernel(
+    x_ptr, stride_xm,  # normalized states [N, hidden] (from _hidden_norm_kernel)
+    w_ptr, stride_wn, stride_wk,  # kv_weight [layers * 2 * kv_heads * head_dim, hidden]
+    bias_ptr,  # kv_bias (read when HAS_BIAS)
+    pos_ptr,  # [N] positions
+    knorm_ptr, stride_knl,  # K-norm weight [layers, head_dim]
+    cs_ptr, stride_csp,  # cos_sin_cache [max_position, rot_dim]
+    k_out_ptr, v_out_ptr,  # [layers, N, kv_heads, head_dim] (written when WRITE_KV)
+    slot_ptr,  # [N] cache slots, < 0 skips the row (read when WRITE_CACHE)
+    k_cache_ptr, v_cache_ptr, stride_cl, stride_cs, stride_ch,  # caches: layer, slot, kv head
+    N, HIDDEN, eps,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    HALF_PAD: tl.constexpr,  # HEAD_DIM // 2 rounded up to a power of two (>= 16)
+    IS_NEOX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot input precision ("ieee" keeps float32 exact)
+):
+    dtype = x_ptr.dtype.element_ty
+    pid_m = tl.program_id(0)  # row tiles vary fastest: programs sharing weights run together
+    tile = tl.program_id(1)  # (layer * 2 + (0: K, 1: V)) * NUM_KV_HEADS + kv_head
+    layer = tile // (2 * NUM_KV_HEADS)
+    is_k = (tile // NUM_KV_HEADS) % 2 == 0
+    kv_head = tile % NUM_KV_HEADS
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+
+    i = tl.arange(0, HALF_PAD)
+    i_ok = i < HEAD_DIM // 2
+    dim_a, dim_b = _rotary_pairs(i, ROT_DIM, IS_NEOX)
+    w_a = w_ptr + (tile * HEAD_DIM + dim_a).to(tl.int64)[None, :] * stride_wn
+    w_b = w_ptr + (tile * HEAD_DIM + dim_b).to(tl.int64)[None, :] * stride_wn
+
+    # GEMM over the hidden dim: [BLOCK_M, BLOCK_K] rows x [BLOCK_K, HALF_PAD] weights, twice.
+    acc_a = tl.zeros([BLOCK_M, HALF_PAD], tl.float32)
+    acc_b = tl.zeros([BLOCK_M, HALF_PAD], tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < HIDDEN
+        x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        w_mask = col_ok[:, None] & i_ok[None, :]
+        wa = tl.load(w_a + cols[:, None] * stride_wk, mask=w_mask, other=0.0)
+        wb = tl.load(w_b + cols[:, None] * stride_wk, mask=w_mask, other=0.0)
+        acc_a = tl.dot(x, wa.to(dtype), acc_a, input_precision=PRECISION)
+        acc_b = tl.dot(x, wb.to(dtype), acc_b, input_precision=PRECISION)
+
+    # Epilogue on registers: bias, K-norm and RoPE (K tiles only), store.
+    if HAS_BIAS:
+        bias_at = bias_ptr + tile * HEAD_DIM
+        acc_a += tl.load(bias_at + dim_a, mask=i_ok, other=0.0).to(tl.float32)[None, :]
+        acc_b += tl.load(bias_at + dim_b, mask=i_ok, other=0.0).to(tl.float32)[None, :]
+    _finish_head_tile(acc_a, acc_b, rows, row_ok, i, i_ok, dim_a, dim_b, layer, is_k, kv_head,
+                      pos_ptr, knorm_ptr, stride_knl, cs_ptr, stride_csp, k_out_ptr, v_out_ptr,
+                      slot_ptr, k_cache_ptr, v_cache_ptr, stride_cl, stride_cs, stride_ch,
+                      N, eps, NUM_KV_HEADS, HEAD_DIM, ROT_DIM, WRITE_KV, WRITE_CACHE)
+
+Launch = tuple[Any, tuple[int, ...] | None, tuple[Any, ...], dict[str, Any]]
+"""kernel, grid, args, meta; a grid of None is a plain PyTorch call `kernel(*args)`."""
 GEMM_TILES = {"BLOCK_M", "BLOCK_K", "num_warps", "num_stages"}
+GEMMS = ("fused", "cublas")
+
+
+def run_launch(launch: Launch) -> None:
+    """Launch one step of `projection_launches`."""
+    kernel, grid, args, meta = launch
+    if grid is None:
+        kernel(*args)
+    else:
+        kernel[grid](*args, **meta)
+
+
+def _cublas_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 out: torch.Tensor) -> None:
+    """out = x @ weight.T (+ bias), rounded to x's dtype, as the reference's `linear`."""
+    if bias is None:
+        torch.mm(x, weight.t(), out=out)
+    else:
+        torch.addmm(bias, x, weight.t(), out=out)
 
 
 def projection_launches(
@@ -194,12 +283,19 @@ def projection_launches(
     kv_out: tuple[torch.Tensor, torch.Tensor] | None,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     tiles: dict[str, int] | None = None,
+    gemm: str = "fused",
 ) -> list[Launch]:
-    """The two launches of one projection (also used to compile them offline).
+    """The steps of one projection (also used to compile the kernels offline).
 
-    The GEMM's default tiles keep it free of register spills on sm_90 in
-    bfloat16 (checked by tests/kernel_compile.py); they are not tuned on a GPU
-    yet. `tiles` overrides BLOCK_M, BLOCK_K, num_warps or num_stages (for tuning).
+    `gemm="fused"` (the default): the hidden norm, then the fused GEMM with the
+    epilogue on its registers, whose tiles `tiles` sets. `gemm="cublas"`: the hidden
+    norm, cuBLAS's GEMM into an [N, layers * 2 * kv_heads * head_dim] buffer, then
+    `_kv_epilogue_kernel` (K-norm, RoPE, store).
+
+    The fused GEMM's default tiles (BLOCK_M up to 64, BLOCK_K 64, 4 warps, 3 stages) were
+    the fastest of 16 tried at batch 32 on an H100 (`benchmarks/kernels_gpu.py --tune`)
+    and compile without register spills for sm_90 (tests/kernel_compile.py); `tiles`
+    overrides them (for tuning).
     """
     n, hidden = states.shape
     hd, nkv, layers = w.head_dim, w.num_kv_heads, w.num_layers
@@ -242,34 +338,40 @@ def projection_launches(
     else:
         cache_args = (dummy, dummy, dummy, 0, 0, 0)
     k_out, v_out = kv_out if kv_out is not None else (dummy, dummy)
-    block_m = min(128, max(16, triton.next_power_of_2(n)))
-    tiles = {"BLOCK_M": block_m, "BLOCK_K": 64, "num_warps": 4 if block_m <= 32 else 8,
-             "num_stages": 3, **(tiles or {})}
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm: one of {', '.join(GEMMS)}, got {gemm!r}")
+    head_tiles = layers * 2 * nkv
+    epilogue_args = (positions, k_norm, k_norm.stride(0), w.cos_sin_cache,
+                     w.cos_sin_cache.stride(0), k_out, v_out, *cache_args)
+    head_meta = dict(NUM_KV_HEADS=nkv, HEAD_DIM=hd, ROT_DIM=rot,
+                     HALF_PAD=max(16, triton.next_power_of_2(hd // 2)),
+                     IS_NEOX=w.is_neox_style, WRITE_KV=kv_out is not None,
+                     WRITE_CACHE=cache is not None)
+    block_m = min(64, max(16, triton.next_power_of_2(n)))
+    if gemm == "cublas":
+        if tiles:
+            raise ValueError("tiles apply to gemm='fused' only")
+        kv = torch.empty((n, w.kv_weight.shape[0]), dtype=states.dtype, device=states.device)
+        epilogue = (
+            _kv_epilogue_kernel, (triton.cdiv(n, block_m), head_tiles),
+            (kv, kv.stride(0), *epilogue_args, n, w.eps),
+            dict(**head_meta, BLOCK_M=block_m, num_warps=4),
+        )
+        return [norm, (_cublas_gemm, None, (normed, w.kv_weight, w.kv_bias, kv), {}), epilogue]
+    tiles = {"BLOCK_M": block_m, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, **(tiles or {})}
     if set(tiles) != GEMM_TILES:
         raise ValueError(f"tiles: only {sorted(GEMM_TILES)} can be set, got {sorted(tiles)}")
-    gemm = (
-        _project_context_kv_kernel, (triton.cdiv(n, tiles["BLOCK_M"]), layers * 2 * nkv),
+    fused = (
+        _project_context_kv_kernel, (triton.cdiv(n, tiles["BLOCK_M"]), head_tiles),
         (normed, normed.stride(0),
-         positions,
          w.kv_weight, w.kv_weight.stride(0), w.kv_weight.stride(1),
          w.kv_bias if w.kv_bias is not None else dummy,
-         k_norm, k_norm.stride(0),
-         w.cos_sin_cache, w.cos_sin_cache.stride(0),
-         k_out, v_out,
-         *cache_args,
+         *epilogue_args,
          n, hidden, w.eps),
-        dict(NUM_KV_HEADS=nkv,
-             HEAD_DIM=hd,
-             ROT_DIM=rot,
-             HALF_PAD=max(16, triton.next_power_of_2(hd // 2)),
-             IS_NEOX=w.is_neox_style,
-             HAS_BIAS=w.kv_bias is not None,
-             WRITE_KV=kv_out is not None,
-             WRITE_CACHE=cache is not None,
-             PRECISION="ieee" if states.dtype == torch.float32 else "tf32",
-             **tiles),
+        dict(**head_meta, HAS_BIAS=w.kv_bias is not None,
+             PRECISION="ieee" if states.dtype == torch.float32 else "tf32", **tiles),
     )
-    return [norm, gemm]
+    return [norm, fused]
 
 
 def _run(
@@ -279,13 +381,14 @@ def _run(
     w: ContextProjectionWeights,
     kv_out: tuple[torch.Tensor, torch.Tensor] | None,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    gemm: str,
 ) -> None:
-    """Launch both kernels; an empty batch launches nothing."""
+    """Launch every step; an empty batch launches nothing."""
     if states.shape[0] == 0:
         return
-    for kernel, grid, args, meta in projection_launches(states, positions, rejected_rows, w,
-                                                        kv_out, cache):
-        kernel[grid](*args, **meta)
+    for launch in projection_launches(states, positions, rejected_rows, w, kv_out, cache,
+                                      gemm=gemm):
+        run_launch(launch)
 
 
 def project_context_kv_triton(
@@ -293,12 +396,13 @@ def project_context_kv_triton(
     positions: torch.Tensor,
     rejected_rows: torch.Tensor | None,
     w: ContextProjectionWeights,
+    gemm: str = "fused",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `project_context_kv_reference`: K, V [layers, N, kv_heads, hd]."""
     shape = (w.num_layers, states.shape[0], w.num_kv_heads, w.head_dim)
     k = torch.empty(shape, dtype=states.dtype, device=states.device)
     v = torch.empty_like(k)
-    _run(states, positions, rejected_rows, w, (k, v), None)
+    _run(states, positions, rejected_rows, w, (k, v), None, gemm)
     return k, v
 
 
@@ -310,6 +414,7 @@ def project_context_kv_into_cache_triton(
     slot_mapping: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    gemm: str = "fused",
 ) -> None:
     """Project and write straight into paged caches, skipping the K/V round trip.
 
@@ -318,4 +423,4 @@ def project_context_kv_into_cache_triton(
     slot `slot_mapping[r]` (block * block_size + offset) of every layer, and a
     negative slot skips the row (vLLM's padding convention).
     """
-    _run(states, positions, rejected_rows, w, None, (slot_mapping, k_cache, v_cache))
+    _run(states, positions, rejected_rows, w, None, (slot_mapping, k_cache, v_cache), gemm)

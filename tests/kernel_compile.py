@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from vllm_carryover.kernels.carryover_attention_triton import Launch, attention_launches
-from vllm_carryover.kernels.carryover_projection_triton import projection_launches
+from vllm_carryover.kernels.carryover_projection_triton import GEMMS, projection_launches
 from vllm_carryover.kernels.testing import (
     random_paged_batch,
     random_projection_weights,
@@ -79,7 +79,7 @@ def attention_cases() -> list[tuple[str, Launch]]:
 
 
 def projection_cases() -> list[tuple[str, Launch]]:
-    """Representative fused-projection launches (bf16, Qwen3-like head layout)."""
+    """Representative projection launches (bf16, Qwen3-like head layout)."""
     cases = []
     for rows, head_dim, rotary, neox, bias, into_cache in [
         (8, 128, 128, True, False, False), (256, 128, 128, True, False, False),
@@ -95,12 +95,16 @@ def projection_cases() -> list[tuple[str, Launch]]:
         cache_shape = (2, rows // 16 + 1, 16, 8, head_dim)  # [layers, blocks, page, kv, hd]
         cache = (torch.arange(rows), torch.empty(cache_shape, dtype=torch.bfloat16),
                  torch.empty(cache_shape, dtype=torch.bfloat16))
-        launches = projection_launches(r.states, r.positions, r.rejected_rows, w,
-                                       None if into_cache else (k, torch.empty_like(k)),
-                                       cache if into_cache else None)
         name = (f"rows={rows} hd={head_dim} rot={rotary} neox={neox} bias={bias} "
                 f"into_cache={into_cache}")
-        cases += [(f"projection {launch[0].__name__} {name}", launch) for launch in launches]
+        kernels = {}  # the Triton kernels of both GEMM paths, the shared norm kernel once
+        for gemm in GEMMS:
+            for launch in projection_launches(r.states, r.positions, r.rejected_rows, w,
+                                              None if into_cache else (k, torch.empty_like(k)),
+                                              cache if into_cache else None, gemm=gemm):
+                if launch[1] is not None:  # not the cuBLAS GEMM
+                    kernels.setdefault(launch[0].__name__, launch)
+        cases += [(f"projection {kernel} {name}", launch) for kernel, launch in kernels.items()]
     return cases
 
 

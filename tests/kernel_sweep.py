@@ -5,10 +5,11 @@ Run by `test_kernels_match_reference.py` in a fresh process with
 to interpret a kernel when its module is imported: a pytest process that
 imported a kernel module earlier would keep compiling for a GPU it lacks.
 
-    python tests/kernel_sweep.py projection|attention [--cases N] [--seed S]
+    python tests/kernel_sweep.py projection|attention [--cases N] [--seed S] [--dtypes ...]
 
 Prints one line per case and exits 1 if any case differs from the reference.
-On GPU (no TRITON_INTERPRET) the same sweep runs compiled kernels.
+On GPU (no TRITON_INTERPRET) the same sweep runs compiled kernels, and
+`--dtypes float32,float16,bfloat16` adds bf16, which the interpreter (numpy) lacks.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from vllm_carryover.kernels.testing import (
@@ -28,8 +30,8 @@ from vllm_carryover.kernels.testing import (
 
 from vllm_carryover import kernels
 
-DTYPES = (torch.float32, torch.float16)
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2}  # atol = rtol
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}  # atol = rtol
 
 
 def _close(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> str | None:
@@ -42,9 +44,14 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype)
     return None
 
 
-def projection_case(rng: random.Random, i: int, device: str) -> tuple[str, list[str]]:
-    """One random shape of the fused projection; every other case also into a paged cache."""
-    dtype = DTYPES[i % 2]
+def projection_case(rng: random.Random, i: int, device: str,
+                    dtype: torch.dtype) -> tuple[str, list[str]]:
+    """One random shape of the projection; every other case also into a paged cache."""
+    from vllm_carryover.kernels.carryover_projection_triton import (
+        project_context_kv_into_cache_triton,
+        project_context_kv_triton,
+    )
+
     batch = (1, 64)[i] if i < 2 else rng.randint(1, 64)
     rows = rng.randint(4, 16)  # drafter block size: K + 1 verify rows per request
     head_dim = 96 if i % 10 == 9 else (64, 128)[(i // 2) % 2]  # 96: padded tiles
@@ -65,8 +72,15 @@ def projection_case(rng: random.Random, i: int, device: str) -> tuple[str, list[
             f"{int(r.rejected_rows.sum()) if rejected is not None else None} hd={head_dim} "
             f"rot={rotary} neox={neox} bias={bias} layers={layers} kv_heads={kv_heads} "
             f"hidden={hidden}")
+    # The dispatcher's default path (fused GEMM); cases 4-7, 12-15, ...: gemm="cublas".
+    cublas = (i // 4) % 2 == 1
+    name += " gemm=cublas" if cublas else " gemm=fused"
+    project = (partial(project_context_kv_triton, gemm="cublas") if cublas
+               else kernels.project_context_kv)
+    project_into_cache = (partial(project_context_kv_into_cache_triton, gemm="cublas") if cublas
+                          else kernels.project_context_kv_into_cache)
     k_ref, v_ref = kernels.project_context_kv_reference(r.states, r.positions, rejected, w)
-    k, v = kernels.project_context_kv(r.states, r.positions, rejected, w)
+    k, v = project(r.states, r.positions, rejected, w)
     errors = [_close("K", k, k_ref, dtype), _close("V", v, v_ref, dtype)]
     if i % 4 not in (1, 2):
         return name, [e for e in errors if e]
@@ -81,15 +95,15 @@ def projection_case(rng: random.Random, i: int, device: str) -> tuple[str, list[
     ref_caches = [c.clone() for c in caches]
     kernels.project_context_kv_into_cache_reference(r.states, r.positions, rejected, w, slots,
                                                     *ref_caches)
-    kernels.project_context_kv_into_cache(r.states, r.positions, rejected, w, slots, *caches)
+    project_into_cache(r.states, r.positions, rejected, w, slots, *caches)
     errors += [_close("K cache", caches[0], ref_caches[0], dtype),
                _close("V cache", caches[1], ref_caches[1], dtype)]
     return f"{name} page={page}", [e for e in errors if e]
 
 
-def attention_case(rng: random.Random, i: int, device: str) -> tuple[str, list[str]]:
+def attention_case(rng: random.Random, i: int, device: str,
+                   dtype: torch.dtype) -> tuple[str, list[str]]:
     """One random batch of draft blocks over context + slot in paged K/V."""
-    dtype = DTYPES[i % 2]
     causal = (i // 2) % 2 == 1
     # Batches 1 and 64 first, then mostly small ones: the interpreter pays per program.
     batch = (1, 64)[i // 4] if i < 8 else rng.choice((rng.randint(1, 16), rng.randint(1, 64)))
@@ -114,7 +128,8 @@ def attention_case(rng: random.Random, i: int, device: str) -> tuple[str, list[s
     return name, [e for e in [_close("out", got, want, dtype)] if e]
 
 
-CASES: dict[str, tuple[Callable[[random.Random, int, str], tuple[str, list[str]]], int]] = {
+Case = Callable[[random.Random, int, str, torch.dtype], tuple[str, list[str]]]
+CASES: dict[str, tuple[Case, int]] = {
     "projection": (projection_case, 20),
     "attention": (attention_case, 20),
 }
@@ -125,7 +140,10 @@ def main() -> int:
     parser.add_argument("kind", choices=sorted(CASES))
     parser.add_argument("--cases", type=int, help="number of cases (default per kind)")
     parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--dtypes", default="float32,float16",
+                        help="comma-separated dtypes, cycled over the cases")
     args = parser.parse_args()
+    dtypes = [DTYPES[name] for name in args.dtypes.split(",")]
     if kernels.backend() != "triton":
         print(f"dispatcher chose {kernels.backend()!r}; set VLLM_CARRYOVER_KERNELS=triton")
         return 2
@@ -135,7 +153,7 @@ def main() -> int:
     failed = 0
     for i in range(args.cases or default_cases):
         start = time.perf_counter()
-        name, errors = case(rng, i, device)
+        name, errors = case(rng, i, device, dtypes[i % len(dtypes)])
         status = "ok" if not errors else "FAIL"
         print(f"{status:4} {time.perf_counter() - start:5.2f}s {name}", flush=True)
         for e in errors:

@@ -1,7 +1,7 @@
 """The drafter compiles every context-projection variant at startup (CUDA, Triton).
 
 Triton compiles a kernel per variant on first use: per constexpr flag (rejected
-rows or not), per GEMM tile (chosen from the row count) and per its own
+rows or not), per tile of the epilogue (chosen from the row count) and per its own
 specialisation of integer arguments (== 1, divisible by 16). vLLM's dummy run
 drafts without rejected rows at one size, so without a warm-up the first real
 requests would wait for compilations. Compiling needs a GPU; here the row
@@ -34,8 +34,9 @@ def variants(rows, weights) -> set[tuple]:
         states, positions = torch.zeros(n, HIDDEN), torch.zeros(n, dtype=torch.int64)
         kv = (torch.empty(0), torch.empty(0))
         for rejected in (None, torch.ones(n, dtype=torch.bool)):
-            norm, gemm = projection_launches(states, positions, rejected, weights, kv, None)
-            out.add((norm[3]["HAS_REJECTED"], gemm[3]["BLOCK_M"], gemm[3]["num_warps"],
+            launches = projection_launches(states, positions, rejected, weights, kv, None)
+            norm, last = launches[0], launches[-1]  # the hidden norm, the epilogue
+            out.add((norm[3]["HAS_REJECTED"], last[3]["BLOCK_M"], last[3]["num_warps"],
                      n == 1, n % 16 == 0))
     return out
 

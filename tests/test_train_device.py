@@ -1,10 +1,10 @@
-"""`--device`, `--dtype` and `--target-states` of the training recipes, on the CPU.
+"""`--device`, `--dtype` and `--target-states` of the training recipes, on the CPU and CUDA.
 
 Online target states (the target inside the training loop) must be the tensors
 the state cache holds for the same sequences, and short runs on the default
 device must train: online, under bfloat16 autocast, and distilling the target's
-own distribution (`--distill`). The CUDA and NCCL paths
-need a GPU; here only their device and dtype rules are checked.
+own distribution (`--distill`). On a machine with CUDA (`scripts/gpu_checks.sh` on a
+lent GPU), both recipes also run there and must take the CPU's steps; NCCL is not run.
 """
 
 from __future__ import annotations
@@ -182,3 +182,37 @@ def test_auto_target_states_cache_what_fits_and_compute_the_rest_online(
     monkeypatch.setattr(target_states, "states_gib", lambda data, size: 1e6)
     assert target_states.resolve_mode("auto", folder, feature) == "online"
     assert target_states.resolve_mode("cached", folder, feature) == "cached"
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA device (scripts/gpu_checks.sh runs it)")
+
+
+def run_losses(setup: dict[str, Path], recipe: str, run: str, *extra: str) -> list[float]:
+    """The per-step training losses of a 12-step run of `recipe` at a learning rate high
+    enough for the loss to fall within it, evaluation off."""
+    main(recipe_argv(recipe, setup, run, "--steps", "12", "--lr", "1e-2", "--eval-every", "0",
+                     "--save-every", "0", *extra))
+    lines = (run_dir(run) / "log.jsonl").read_text().splitlines()
+    return [json.loads(x)["loss"] for x in lines]
+
+
+@needs_cuda
+@pytest.mark.parametrize("recipe", ["baseline", "carryover"])
+def test_a_float32_run_on_cuda_takes_the_cpu_runs_steps_and_its_loss_falls(
+        tiny_setup: dict[str, Path], monkeypatch: pytest.MonkeyPatch, recipe: str) -> None:
+    """Every random choice of the recipes (sequences, anchors, negatives) comes from seeded
+    CPU generators and the drafter is initialised on the CPU, so a float32 run on the GPU
+    takes the CPU run's steps: its losses differ only by float32 rounding. bf16 autocast,
+    the GPU default, must train too."""
+    monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(tiny_setup["cache"]))
+    cpu = run_losses(tiny_setup, recipe, f"{recipe}-cpu-fp32", "--device", "cpu",
+                     "--dtype", "float32")
+    cuda = run_losses(tiny_setup, recipe, f"{recipe}-cuda-fp32", "--device", "cuda",
+                      "--dtype", "float32")
+    torch.testing.assert_close(cuda, cpu, rtol=1e-3, atol=1e-4)
+    bf16 = run_losses(tiny_setup, recipe, f"{recipe}-cuda-bf16", "--device", "cuda",
+                      "--dtype", "bfloat16", "--target-states", "online")
+    for losses in (cpu, bf16):
+        assert all(math.isfinite(x) for x in losses)
+        assert sum(losses[-3:]) < sum(losses[:3]), losses

@@ -250,7 +250,7 @@ class CarryoverProposer(DFlashProposer):
     @override
     def load_model(self, target_model: torch.nn.Module) -> None:
         super().load_model(target_model)
-        if kernels.backend() == "triton":  # compiled lazily; the reference has nothing to do
+        if kernels.backend() != "reference":  # Triton compiles lazily; the reference needs none
             self.model.model.warm_up_kernels()
 
     @override

@@ -25,10 +25,10 @@ from vllm_carryover.markov_head import MarkovHead
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
 
 ARCHITECTURE = "CarryoverDraftModel"
-# Row counts that reach every compiled variant of the context projection: each GEMM
-# tile height (16, 32, 64, 128 rows, `projection_launches`) and Triton's own
+# Row counts that reach every compiled variant of the context projection: each tile
+# height of its epilogue (16, 32, 64 rows, `projection_launches`) and Triton's own
 # specialisation of the row count (1, a multiple of 16, anything else).
-WARMUP_ROWS = (1, 2, 16, 17, 32, 33, 64, 128, 129)
+WARMUP_ROWS = (1, 2, 16, 17, 32, 33, 64, 65)
 
 
 class CarryoverDFlashModel(DFlashQwen3Model):
