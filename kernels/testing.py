@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import torch
 from vllm_carryover.kernels.carryover_projection import ContextProjectionWeights
 
+# How far a kernel may stray from its reference in each dtype (atol = rtol).
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
 
 def rope_cos_sin_cache(max_position: int, rotary_dim: int, base: float = 1e6,
                        dtype: torch.dtype = torch.float32,

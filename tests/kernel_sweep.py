@@ -23,15 +23,13 @@ from functools import partial
 
 import torch
 from vllm_carryover.kernels.testing import (
+    TOLERANCE,
     random_paged_batch,
     random_projection_weights,
     random_verify_rows,
 )
 
 from vllm_carryover import kernels
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}  # atol = rtol
 
 
 def _close(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> str | None:
@@ -143,7 +141,7 @@ def main() -> int:
     parser.add_argument("--dtypes", default="float32,float16",
                         help="comma-separated dtypes, cycled over the cases")
     args = parser.parse_args()
-    dtypes = [DTYPES[name] for name in args.dtypes.split(",")]
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     if kernels.backend() != "triton":
         print(f"dispatcher chose {kernels.backend()!r}; set VLLM_CARRYOVER_KERNELS=triton")
         return 2
