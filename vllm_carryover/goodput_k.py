@@ -9,13 +9,20 @@ Both sides are measured while serving, in the scheduler's process:
   drafts were accepted), as conditional rates p_j = P(position j accepted |
   positions < j accepted), decayed so that the estimate follows the traffic;
 - the step time, wall clock between the ends of consecutive decode steps, fitted
-  by least squares as t = c0 + c1 * B + c2 * drafts verified + c3 * tokens drafted
-  + c4 * [any draft verified] + c5 * [any token drafted] (a step verifies the
-  drafts of the step before and drafts those of the next), so a K never tried at
-  this batch size still gets a cost. The two indicator terms are what a step pays
-  for speculating at all, whatever K (rejection sampling, spec-decode metadata,
-  the drafter's launch): without them a K = 1 step looks nearly as cheap as a plain
-  one, which it is not.
+  by least squares as t = c0 + c1 * target rows + c2 * tokens drafted
+  + c3 * [any draft verified] + c4 * [any token drafted], where a step's target rows
+  are its requests plus the drafts it verifies (a step verifies the drafts of the
+  step before and drafts those of the next), so a K never tried at this batch size
+  still gets a cost. A verified draft is one more row of the target's forward, like
+  the request's own token, and is fitted as one: fitted apart, the two could trade
+  cost between them wherever K stays put while the batch size moves (one run's fit
+  charged 21 ms per request and 0.66 ms per verified draft after serving concurrency
+  1 and 4 at K = 7, and drafted K = 7 at batch 16, where such a step took 160 ms
+  against 50 ms for a plain one). What a request costs besides its row (sampling,
+  scheduling) is charged to every row, drafts included, which errs towards drafting
+  less. The two indicator terms are what a step pays for speculating at all,
+  whatever K (rejection sampling, spec-decode metadata, the drafter's launch):
+  without them a K = 1 step looks nearly as cheap as a plain one, which it is not.
 
 `choose(B)` is the K in 0..k_max with the most tokens per second, if that beats
 K = 0 by `MIN_GAIN`; K = 0 drafts nothing, which costs a plain decode step plus the
@@ -81,6 +88,23 @@ def expected_tokens(accept: np.ndarray, k: int) -> float:
     return float(expected_tokens_by_k(accept[:k])[-1])
 
 
+def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: a term that fits negative is dropped
+    and the rest refitted. A negative cost is what terms that move together in the
+    steps seen do to each other (drafted tokens against the indicator of drafting any,
+    at batch 1); clipping it to 0 without refitting would leave the others fitted
+    around a cost that is not there."""
+    keep = np.ones(x.shape[1], dtype=bool)
+    coef = np.zeros(x.shape[1])
+    while keep.any():
+        coef[:] = 0.0
+        coef[keep], *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        if (coef >= 0).all():
+            break
+        keep &= coef > np.minimum(coef.min(), 0.0)  # drop the most negative term
+    return coef
+
+
 class GoodputK:
     """Acceptance and step-cost estimates, and the K they make best per batch size."""
 
@@ -94,7 +118,7 @@ class GoodputK:
         self.reached = np.zeros(k_max)
         self.accepted = np.zeros(k_max)
         self.steps: deque[TimedStep] = deque(maxlen=4 * half_life)
-        self.coef: np.ndarray | None = None  # c0..c5 of the cost fit
+        self.coef: np.ndarray | None = None  # c0..c4 of the cost fit
         self.timed_steps = 0
         self._since_fit = 0
         self._probe_interval = probe_every
@@ -151,21 +175,20 @@ class GoodputK:
         s = list(self.steps)
         if len({t.drafted // max(t.batch, 1) for t in s}) < 2:
             return None  # one K only: the cost of another is not measured yet
-        x = np.array([[1.0, t.batch, t.verified, t.drafted, t.verified > 0, t.drafted > 0]
+        x = np.array([[1.0, t.batch + t.verified, t.drafted, t.verified > 0, t.drafted > 0]
                       for t in s], dtype=float)
         # an indicator that is 1 in every step cannot be told from c0: leave it out
-        x[:, 4:] *= ~x[:, 4:].all(axis=0)
+        x[:, 3:] *= ~x[:, 3:].all(axis=0)
         y = np.array([t.seconds for t in s])
         w = np.sqrt(self.decay ** np.arange(len(s))[::-1])
-        coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
-        return np.maximum(coef, 0.0)  # a negative cost is noise
+        return nonnegative_least_squares(x * w[:, None], y * w)
 
     def step_seconds(self, batch: int, k: int | np.ndarray) -> float | np.ndarray:
         """Fitted cost of a steady step: each step verifies as many drafts as it drafts."""
         c = self.coef
         assert c is not None
         k = np.asarray(k)
-        return c[0] + c[1] * batch + (c[4] + c[5]) * (k > 0) + (c[2] + c[3]) * batch * k
+        return c[0] + c[1] * batch * (1 + k) + c[2] * batch * k + (c[3] + c[4]) * (k > 0)
 
     def best_k(self, batch: int) -> int:
         """The K with the most tokens per second at this batch size (the smallest on
