@@ -108,6 +108,16 @@ def test_a_term_that_fits_negative_is_dropped_and_the_rest_refitted() -> None:
     assert nonnegative_least_squares(x, y) == pytest.approx([2.0, 1.0, 0.0], abs=0.05)
 
 
+def test_the_fit_keeps_only_the_latest_steps() -> None:
+    """It keeps four half-lives of steps (256 here): once the machine's costs change,
+    400 steps later the fit has the new ones alone."""
+    g = GoodputK(K_MAX, half_life=64)
+    feed(g, (0.05, 0.001, 0.0), accept=0.5, seed=1)
+    cost = (0.02, 0.0005, 0.0002)
+    feed(g, cost, accept=0.5, seed=2)
+    assert g.coef == pytest.approx((*cost, 0.0, 0.0), rel=0.1, abs=2e-4)
+
+
 def test_no_fit_until_it_has_seen_two_ks() -> None:
     g = GoodputK(K_MAX, min_fit_steps=4)
     for _ in range(10):
