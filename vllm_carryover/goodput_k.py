@@ -63,6 +63,9 @@ MIN_WARM_UP_REQUESTS = 64  # requests with verified drafts before the warm-up en
 MIN_FIT_STEPS = 32  # decode steps timed before the fit replaces the warm-up
 HALF_LIFE_STEPS = 512  # acceptance counts and timed steps age over this many steps
 REFIT_EVERY = 8  # steps between refits of the cost model
+# a timed step as a row of the fit: its TERMS terms (1, target rows, drafted, any
+# verified, any drafted), then its K per request and its seconds
+TERMS, K_COLUMN, SECONDS_COLUMN = 5, 5, 6
 
 
 @dataclass(frozen=True)
@@ -116,10 +119,9 @@ class GoodputK:
         # decayed counts: requests that reached position j, and were accepted there
         self.reached = np.zeros(k_max)
         self.accepted = np.zeros(k_max)
-        # the latest timed steps as the fit's rows, a ring: [1, target rows, drafted,
-        # any verified, any drafted, K per request, seconds]; rebuilding them from step
-        # objects took 2 ms of the engine core's time per fit, in the decode loop
-        self._steps = np.zeros((4 * half_life, 7))
+        # the latest timed steps as the fit's rows, a ring; rebuilding them from step
+        # objects took 3-4x as long per fit, in the engine core's decode loop
+        self._steps = np.zeros((4 * half_life, SECONDS_COLUMN + 1))
         # the fit's weights, newest last: each step weighs `decay` times the next
         self._weights = np.sqrt(self.decay ** np.arange(len(self._steps))[::-1])
         self.coef: np.ndarray | None = None  # c0..c4 of the cost fit
@@ -180,9 +182,9 @@ class GoodputK:
         if n < self.min_fit_steps:
             return None
         rows = self._steps[np.arange(self.timed_steps - n, self.timed_steps) % len(self._steps)]
-        if (rows[:, 5] == rows[0, 5]).all():
+        if (rows[:, K_COLUMN] == rows[0, K_COLUMN]).all():
             return None  # one K only: the cost of another is not measured yet
-        x, y = rows[:, :5].copy(), rows[:, 6]
+        x, y = rows[:, :TERMS].copy(), rows[:, SECONDS_COLUMN]
         # an indicator that is 1 in every step cannot be told from c0: leave it out
         x[:, 3:] *= ~x[:, 3:].astype(bool).all(axis=0)
         w = self._weights[-n:]
