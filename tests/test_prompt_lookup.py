@@ -8,10 +8,12 @@ import torch
 from vllm_carryover.prompt_lookup import (
     PromptLookup,
     draft_lengths,
+    drafter_rows_kept,
     first_proposals,
     lookups_suffice,
     make_lookup_probs_one_hot,
     one_hot_probs,
+    score_leading_rows,
     texts_of,
     write_drafts,
 )
@@ -93,3 +95,36 @@ def test_a_request_keeps_its_lookup_run_else_the_drafters_first_tokens() -> None
     assert draft_lengths(from_lookup, 1) == [3, 1, 4]
     assert draft_lengths(from_lookup, 0) == [3, 0, 4]
     assert draft_lengths(from_lookup, None) == [3, 4, 4]
+
+
+def test_the_drafter_scores_only_the_positions_a_request_can_keep() -> None:
+    assert drafter_rows_kept(7, drafter_k=1, rows_stay_wide=False) == 1
+    assert drafter_rows_kept(3, drafter_k=5, rows_stay_wide=False) == 3
+    assert drafter_rows_kept(7, drafter_k=None, rows_stay_wide=False) == 7
+    assert drafter_rows_kept(7, drafter_k=1, rows_stay_wide=True) == 7  # async verifies all
+
+
+def test_scored_leading_rows_draft_what_the_whole_head_drafts_there() -> None:
+    torch.manual_seed(0)
+    batch, k, rows, vocab = 3, 4, 2, 11
+    head = torch.randn(vocab, 6)
+    hidden = torch.randn(batch * k, 6)
+    scored: list[int] = []
+
+    def sample(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scored.append(h.shape[0])
+        probs = (h @ head.T).softmax(-1)
+        return probs.argmax(-1), probs
+
+    whole_tokens, whole_probs = score_leading_rows(hidden, k, k, sample)
+    tokens, probs = score_leading_rows(hidden, k, rows, sample)
+    assert scored == [batch * k, batch * rows]
+    assert tokens.shape == whole_tokens.shape and probs.shape == whole_probs.shape
+    lead = tokens.view(batch, k)[:, :rows]
+    assert torch.equal(lead, whole_tokens.view(batch, k)[:, :rows])
+    assert torch.equal(probs.view(batch, k, vocab)[:, :rows],
+                       whole_probs.view(batch, k, vocab)[:, :rows])
+    # the positions no request keeps: its last drafted token, one-hot
+    assert torch.equal(tokens.view(batch, k)[:, rows:], lead[:, -1:].expand(-1, k - rows))
+    assert torch.equal(probs.view(batch, k, vocab)[:, rows:],
+                       one_hot_probs(lead[:, -1:].expand(-1, k - rows), vocab))

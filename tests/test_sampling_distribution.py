@@ -266,6 +266,12 @@ def engine_samples(models, tmp_path_factory) -> dict[str, dict]:
             **spec, "model": str(markov), "draft_sample_method": "probabilistic",
             "prompt_lookup": True, "prompt_lookup_min": 1, "prompt_lookup_max": 2}},
             "seeds": list(range(5 * N, 6 * N))},
+        # the parallel drafter sampling beside the lookups, keeping its first token: it
+        # scores one position per request and pads the rest (`score_leading_rows`)
+        "drafter-k-sampled": {"engine": {**engine, "speculative_config": {
+            **spec, "draft_sample_method": "probabilistic", "prompt_lookup": True,
+            "prompt_lookup_min": 1, "prompt_lookup_max": 2, "prompt_lookup_drafter_k": 1}},
+            "seeds": list(range(7 * N, 8 * N))},
     }
     def run(name: str, job: dict) -> dict:
         result = run_engine({"model": str(target), "prompts": [PROMPT] * N,
@@ -305,6 +311,15 @@ def test_prompt_lookup_drafts_in_many_sampled_steps(engine_samples):
     assert spec["spec_decode_num_accepted_tokens"] > 1000
 
 
+def test_the_sampled_drafter_beside_lookups_keeps_only_its_first_token(engine_samples):
+    co = engine_samples["drafter-k-sampled"]["carryover"]
+    spec = engine_samples["drafter-k-sampled"]["spec"]
+    print(f"\nspec counters: {spec}\ncarryover counters: {co}")
+    assert 0 < co["carryover_lookup_rounds"] < co["carryover_draft_rounds"]  # both drafted
+    assert spec["spec_decode_num_draft_tokens"] < K * spec["spec_decode_num_drafts"]
+    assert spec["spec_decode_num_accepted_tokens"] > 1000
+
+
 def test_a_step_whose_drafts_all_come_from_lookups_skips_the_drafter(engine_samples):
     co = engine_samples["corpus-sampled"]["carryover"]
     spec = engine_samples["corpus-sampled"]["spec"]
@@ -315,7 +330,7 @@ def test_a_step_whose_drafts_all_come_from_lookups_skips_the_drafter(engine_samp
 
 
 @pytest.mark.parametrize("engine", ["carryover", "markov-sampled", "draft-vocab-sampled",
-                                    "lookup-sampled", "corpus-sampled"])
+                                    "lookup-sampled", "drafter-k-sampled", "corpus-sampled"])
 def test_carryover_sampling_matches_sampling_without_speculation(engine_samples, engine):
     rows = compare(engine_samples[engine]["tokens"], engine_samples["none"]["tokens"])
     report(f"{engine} vs no speculation", rows)

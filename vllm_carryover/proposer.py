@@ -41,10 +41,12 @@ from vllm_carryover.prompt_lookup import (
     PromptLookup,
     Propose,
     draft_lengths,
+    drafter_rows_kept,
     first_proposals,
     lookups_suffice,
     make_lookup_probs_one_hot,
     one_hot_probs,
+    score_leading_rows,
     texts_of,
     write_drafts,
 )
@@ -99,6 +101,7 @@ class CarryoverProposer(DFlashProposer):
         self._vocab_size = vllm_config.model_config.get_vocab_size()
         self._sampled: tuple[torch.Tensor, torch.Tensor] | None = None  # for the lookups
         self._draft_lengths: dict[str, int] | None = None  # this round's, set by the lookups
+        self._scored_rows: int | None = None  # of the drafter's K this round (None: all)
         if self.settings.prompt_lookup:
             self.lookups.append(PromptLookup(self.settings.prompt_lookup_min,
                                              self.settings.prompt_lookup_max,
@@ -141,6 +144,7 @@ class CarryoverProposer(DFlashProposer):
         proposals = first_proposals(self._texts(cad.batch_size()), self.lookups, k)
         drafter_k = self._drafter_k(proposals)
         if not lookups_suffice(proposals, k, self._rows_stay_wide, drafter_k):
+            self._scored_rows = drafter_rows_kept(k, drafter_k, self._rows_stay_wide)
             drafts = super().propose(*args, **kwargs)
             self._use_lookups(drafts, proposals, drafter_k, drafter_ran=True)
             return drafts
@@ -380,11 +384,14 @@ class CarryoverProposer(DFlashProposer):
     @override
     def _sample_draft_tokens(self, hidden_states: torch.Tensor,
                              sampling_metadata: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        rows, self._scored_rows = self._scored_rows, None  # this round's only
         head = self.model.markov_head
         if head is None:
             if self.trace is not None:
                 self.trace.finish(self.model.compute_logits(hidden_states))
-            return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+            k, sample = self.num_speculative_tokens, super()._sample_draft_tokens
+            return score_leading_rows(hidden_states, k, k if rows is None else rows,
+                                      lambda leading: sample(leading, sampling_metadata))
         logits = self.model.compute_logits(hidden_states)  # [batch * K, V], request-major
         assert self._bonus is not None
         tokens, probs = draft_left_to_right(
