@@ -84,8 +84,8 @@ def requests_per_run(concurrency: int, num_categories: int, total_prompts: int,
     waves at each concurrency, so that a run measures steady serving rather than one
     burst of simultaneous prefills, and at least `MIN_PER_CATEGORY` prompts of each
     category: one prompt per category wrote 213 tokens in all at concurrency 1, and five
-    prompts and 25 served 1.55x and 1.73x no speculation in one session (docs/results.md,
-    session 31). Each request is a different prompt (a repeated one would hit the
+    prompts and 25 served 1.55x and 1.73x no speculation on one machine (docs/results.md).
+    Each request is a different prompt (a repeated one would hit the
     prefix cache), so never more than there are prompts."""
     return min(total_prompts, requests or max(MIN_PER_CATEGORY * num_categories,
                                               WAVES * concurrency))

@@ -44,7 +44,7 @@ COMMON=(--dtype "$DTYPE" --eval-every 0 --save-every 25 --steps 100000)
 $PY -m train baseline --run long --draft-vocab 8192 --anchors-per-seq 128 --lr 6e-4 \
   --warmup 50 --minutes "$LONG_MINUTES" "${COMMON[@]}" 2>&1 | tee "$LOGS/long.log"
 # stage 3 starts where the long run ended (its LR at the cosine floor): a peak of 1e-4, not
-# the 3e-4 that lost ground in short runs (docs/results.md, session 15)
+# the 3e-4 that lost ground in short runs (docs/results.md, Behind the defaults)
 STAGE3=(--dtype "$DTYPE" --eval-every 0 --save-every 25 --lr 1e-4 --warmup 10)
 $PY -m train carryover --run carryover --init long --minutes "$CO_MINUTES" --steps 100000 \
   "${STAGE3[@]}" 2>&1 | tee "$LOGS/carryover.log"

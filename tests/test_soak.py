@@ -37,7 +37,7 @@ WARMUP_REQUESTS = 96
 NUM_SPECULATIVE_TOKENS = 7
 # vLLM's CPU engine itself grows by ~1 MB per request while it meets new prompt
 # shapes, with carryover on and off alike, and stays flat when shapes repeat
-# (`python -m benchmarks.memory_offline`; README, Reliability). The warm-up runs the
+# (`python -m benchmarks.memory_offline`; docs/reference.md, Reliability). The warm-up runs the
 # soak's own mix; the bound leaves room for that engine growth over the soak.
 MEMORY_DRIFT = 0.10
 

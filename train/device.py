@@ -3,7 +3,7 @@
 `--device auto` is the GPU when torch sees one (under torchrun the process's own,
 cuda:LOCAL_RANK), else the CPU. `--dtype auto` is bfloat16 autocast on CUDA and on
 a CPU with native bf16 matmuls (AVX512-BF16 or AMX; a training step x1.6 faster on
-an AVX512-BF16 EPYC, docs/results.md session 15), plain float32 on other CPUs, where
+an AVX512-BF16 EPYC, docs/results.md), plain float32 on other CPUs, where
 bf16 is emulated and slower. The drafter's weights and optimizer state stay float32
 everywhere; only the forward passes (the drafter's under autocast, the target's in its
 weights' dtype) use the lower precision.

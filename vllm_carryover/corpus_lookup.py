@@ -8,8 +8,8 @@ continuation of the longest known context of the text's end, then of that text p
 the new token, and so on, until no context is known. Offline, on the first 64 tokens
 of the held-out responses, prompt lookup then this table walk 2.44 tokens per step,
 against 2.22 with the confident contexts alone (seen twice, and half of their
-context's continuations) that sessions 27-35 shipped. Served side by side, the two tables
-measured within the machine's noise of each other (docs/results.md, session 36).
+context's continuations). Served side by side, the two tables measured within the
+machine's noise of each other; the full one drafts more at concurrency 1 (docs/results.md).
 
 Built from a dataset by `python -m train corpus-table`, stored beside the drafter
 as `corpus_table.npz`, read by the proposer with `"corpus_lookup": true`.
@@ -26,7 +26,7 @@ CORPUS_FILE = "corpus_table.npz"  # in the drafter folder
 MIN_N, MAX_N = 2, 5  # context lengths, the longest tried first
 # The shipped rule keeps every context's most frequent continuation. A stricter one
 # drops those seen fewer than MIN_COUNT times or under MIN_SHARE of their context's
-# continuations (sessions 27-35 shipped 2 and 0.5).
+# continuations (the confident table: 2 and 0.5).
 MIN_COUNT, MIN_SHARE = 1, 0.0
 # A context's key folds its tokens from the last back: key = key * KEY_MUL + token + 1
 # (mod 2^64), so one pass over a text's end gives the keys of all its suffixes. Two

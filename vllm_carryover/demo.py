@@ -55,7 +55,7 @@ def chat_all(url: str, model: str, max_tokens: int, questions: list[str] = QUEST
 
 def warm_up(url: str, model: str) -> None:
     """One untimed request: a fresh server's first one is slow (0.5-1.8 s to its first
-    token on a 2-core CPU, speculative servers most; docs/results.md, session 24)."""
+    token on a 2-core CPU, speculative servers most; docs/results.md)."""
     chat_all(url, model, 16, ["Hello!"])
 
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.de
                    help="draft with the drafter alone (default: prompt lookup where the "
                    "text repeats, else the corpus lookup where the drafter folder has a "
                    f"{CORPUS_FILE}, else the drafter's first token; with K by goodput this "
-                   "served 1.74x no speculation at concurrency 1, docs/results.md, session 27)")
+                   "is the shipped configuration measured in docs/results.md)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 on a GPU or a CPU with native bf16 matmuls, else "

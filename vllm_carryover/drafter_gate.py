@@ -5,7 +5,7 @@ the drafter for that request's first `prompt_lookup_drafter_k` tokens. That cost
 the drafter's forward and one more verified row per such request, and buys the
 tokens accepted from it. Which is larger depends on the machine and the load (on a
 2-core CPU at concurrency 16, one interleaved run: the lookups alone served 1.05x no
-speculation, one drafter token per request 0.98x; docs/results.md, session 29), so
+speculation, one drafter token per request 0.98x; docs/results.md), so
 with K by goodput it is measured while serving, per batch size, as each choice's own
 goodput, without a model of its costs:
 

@@ -5,44 +5,32 @@ extra time: at batch size B a step yields B * E(K) tokens, with
 E(K) = 1 + sum_{j<=K} P(the first j drafts are all accepted), and costs t(B, K).
 Both sides are measured while serving, in the scheduler's process:
 
-- acceptance per draft position, from every verified request (how many of its
-  drafts were accepted), as conditional rates p_j = P(position j accepted |
-  positions < j accepted), decayed so that the estimate follows the traffic;
+- acceptance per draft position, from every verified request, as conditional rates
+  p_j = P(position j accepted | positions < j accepted), decayed so that the
+  estimate follows the traffic; a position seldom reached leans on the one before;
 - the step time, wall clock between the ends of consecutive decode steps, fitted
-  by least squares as t = c0 + c1 * target rows + c2 * tokens drafted
-  + c3 * [any draft verified] + c4 * [any token drafted], where a step's target rows
-  are its requests plus the drafts it verifies (a step verifies the drafts of the
-  step before and drafts those of the next), so a K never tried at this batch size
-  still gets a cost. A verified draft is one more row of the target's forward, like
-  the request's own token, and is fitted as one: fitted apart, the two could trade
-  cost between them wherever K stays put while the batch size moves (one run's fit
-  charged 21 ms per request and 0.66 ms per verified draft after serving concurrency
-  1 and 4 at K = 7, and drafted K = 7 at batch 16, where such a step took 164 ms
-  against 50 ms for a plain one). What a request costs besides its row (sampling,
-  scheduling) is charged to every row, drafts included, which errs towards drafting
-  less. The two indicator terms are what a step pays for speculating at all,
-  whatever K (rejection sampling, spec-decode metadata, the drafter's launch):
-  without them a K = 1 step looks nearly as cheap as a plain one, which it is not.
+  by least squares with no negative coefficient as t = c0 + c1 * target rows
+  + c2 * tokens drafted + c3 * [any draft verified] + c4 * [any token drafted]. A
+  step's target rows are its requests plus the drafts it verifies: a verified draft
+  is one more row of the target's forward, so one coefficient prices both (fitted
+  apart, the two trade cost wherever K stays put while the batch size moves), and a
+  K never tried at this batch size still gets a cost; what a request costs besides
+  its row is charged to every row, which errs towards drafting less. The indicator
+  terms are what speculating at all costs, whatever K (rejection sampling,
+  spec-decode metadata, the drafter's launch): without them a K = 1 step looks
+  nearly as cheap as a plain one.
 
 `choose(B)` is the K in 0..k_max with the most tokens per second, if that beats
-K = 0 by `MIN_GAIN`; K = 0 drafts nothing, which costs a plain decode step plus the
-drafter keeping its context. The margin keeps break-even choices at K = 0: where
-drafting buys about as many tokens as it costs time (measured on a 2-core CPU at
-batch 12: K = 1 steps take 1.40x a K = 0 step for 1.4x the tokens), a few percent
-of error in the fit would otherwise decide, and the risk is all on the side of
-losing to no speculation. Now and then a step probes a neighbour
-of the chosen K (one less, one more, in turn), so that the cost fit sees more than
-one K and acceptance keeps being measured while the chosen K is 0; a far K is never
-probed, since a K = 7 step can cost several plain ones at a large batch. Probes
-start every `probe_every` steps and thin out, down to one in `MAX_PROBE_EVERY`,
-while the choice holds. Until the fit is ready and `MIN_WARM_UP_REQUESTS` requests
-have had drafts verified, steps alternate between K = k_max and K = 0: the two ends
-of the range give the linear fit its firmest slope and every draft position its
-acceptance, and at a large batch, where K = k_max costs several plain steps, the
-warm-up costs half as much as drafting k_max throughout. (At batch 1 the fit alone
-is ready after 16 drafted requests, too few for the acceptance: one run measured
-position 1 at 0.20 from them, against 0.35 later, and drafted nothing.)
-Verification is unchanged by K, so greedy output is too.
+K = 0 by `MIN_GAIN`: near break-even the fit's error would decide, and the risk is
+all on the side of losing to no speculation. K = 0 drafts nothing but still pays
+for the drafter keeping its context. Now and then a step probes a neighbour of the
+chosen K, so that the fit sees more than one K and acceptance is still measured
+while K is 0; a far K is never probed, since it can cost several plain steps at a
+large batch. Until the fit is ready and `MIN_WARM_UP_REQUESTS` requests have had
+drafts verified, steps alternate between K = k_max and K = 0, the two ends that give
+the fit its firmest slope and every draft position its acceptance. Verification is
+unchanged by K, so greedy output is too. The measurements behind these choices are
+in docs/results.md.
 
 vLLM's dynamic speculative decoding (`num_speculative_tokens_per_batch_size`)
 supplies the rest: the scheduler asks `lookup[batch size]` for each step's K, and

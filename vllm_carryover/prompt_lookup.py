@@ -7,9 +7,9 @@ that drafts long runs that are right; elsewhere it proposes nothing. The
 drafter drafts everywhere, in short runs. With `"prompt_lookup": true` a
 carryover step takes the lookup's proposal for each request that has one and
 the drafter's first `prompt_lookup_drafter_k` tokens for the others
-(`draft_lengths`; measured in docs/results.md, session 26). The lookups run first:
+(`draft_lengths`; why one drafter token: docs/results.md). The lookups run first:
 a step in which every request has a lookup run skips the drafter's forward
-(`lookups_suffice`; two steps in three at batch 1, session 28). A step in which
+(`lookups_suffice`; most steps at batch 1, docs/results.md). A step in which
 the drafter does run scores only the positions a request can keep
 (`drafter_rows_kept`, `score_leading_rows`): with `prompt_lookup_drafter_k` 1 its
 LM head covers one row per request instead of K.

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent  # the checkout (shipped drafters,
 SHIPPED_DRAFTERS = REPO / "train" / "checkpoints" / "smollm2-135m-instruct"
 # The shipped lookups beside the drafter: prompt lookup where the text repeats, else the
 # target's usual phrase (corpus lookup), else the drafter's first token; the fastest
-# measured (docs/results.md, session 27).
+# measured (docs/results.md).
 SHIPPED_LOOKUPS = {"prompt_lookup": True, "corpus_lookup": True, "prompt_lookup_drafter_k": 1}
 # Serving length of every measuring run: the longest held-out prompt (1-2k-token
 # passages) plus its answer fits.
@@ -42,13 +42,13 @@ def serving_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     scheduler. On a 2-core machine that halves the worker, while those processes use a
     small part of the other core: there every row served faster with both cores, no
     speculation 1.23x / 1.60x / 1.49x and carryover 1.27x / 1.45x / 1.48x at concurrency
-    1 / 4 / 16 (docs/results.md, session 33).
+    1 / 4 / 16 (docs/results.md, CPU settings).
 
     vLLM's n-gram proposer calls `numba.set_num_threads` around every proposal. With
     numba's default OpenMP layer that sets the OpenMP thread count torch uses on the
     worker's main thread, so after the first proposal the target runs on one thread.
     Numba's own "workqueue" pool leaves torch's alone: n-gram served 35.9 instead of 31.6
-    tok/s at concurrency 1 and 234 instead of 158 at 16 (docs/results.md, session 35).
+    tok/s at concurrency 1 and 234 instead of 158 at 16 (docs/results.md, CPU settings).
     No other row uses numba's parallel pool."""
     import torch
 

@@ -166,7 +166,7 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
     # rows only ever land past the computed tokens, in blocks not yet cached
     # (tests/test_carryover_path.py checks drafts after hits). So the drop only
     # costs recomputation: at concurrency 16 with repeated prompts it cost a third
-    # of the hits and 1.4x the time to first token (docs/results.md, session 22).
+    # of the hits and 1.4x the time to first token (docs/results.md, Behind the defaults).
     spec.setdefault("disable_eagle_block_drop", True)
     spec["method"] = "dflash"
     return spec, CarryoverSettings(enabled=enabled, goodput_k=goodput_k, **lookup)
