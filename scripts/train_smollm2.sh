@@ -5,7 +5,8 @@
 #      answers that many of the shards still missing (`train data` resumes from what is
 #      written; all are answered);
 #   2. the long baseline: a plain DFlash drafter (1 layer, block 8, target layers 1/14/27)
-#      over an 8,192-token draft vocabulary, online target states, DTYPE autocast, 128
+#      over an 8,192-token draft vocabulary, target states cached on disk as first
+#      visited (where the disk has room, else online), DTYPE autocast, 128
 #      anchors per sequence, LONG_MINUTES of training -> run long;
 #   3. four runs from it, each pair on the same data (same seed, anchors, steps):
 #      (a) carryover draft-verify-draft training for CO_MINUTES -> carryover/

@@ -23,7 +23,6 @@ from vllm_carryover.train.prompts import (
     dedupe,
     split_of,
 )
-from vllm_carryover.train.ray_shards import split_even
 from vllm_carryover.train.self_prompts import usable
 from vllm_carryover.train.sword_bible import verse_pairs
 
@@ -140,11 +139,6 @@ def test_an_answerer_with_nothing_queued_says_so_instead_of_waiting() -> None:
     answerer.pending = {}
     with pytest.raises(RuntimeError, match="no shard queued"):
         answerer.next_done()
-
-
-def test_split_even_keeps_order_and_sizes() -> None:
-    assert split_even(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
-    assert split_even([1], 4) == [[1]]
 
 
 def data_cmd(smollm2: Path, out: Path, *extra: str) -> list[str]:

@@ -1,10 +1,10 @@
 """`--device`, `--dtype` and `--target-states` of the training recipes, on the CPU and CUDA.
 
 Online target states (the target inside the training loop) must be the tensors
-the state cache holds for the same sequences, and short runs on the default
-device must train: online, under bfloat16 autocast, and distilling the target's
-own distribution (`--distill`). On a machine with CUDA (`scripts/gpu_checks.sh` on a
-lent GPU), both recipes also run there and must take the CPU's steps; NCCL is not run.
+the state cache gives back for the same sequences, and short runs on the default
+device must train: online and under bfloat16 autocast. On a machine with CUDA
+(`scripts/gpu_checks.sh` on a lent GPU), both recipes also run there and must take the
+CPU's steps; NCCL is not run.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import pytest
 import torch
 from test_train_loop import DATA, recipe_argv, write_tiny_dataset
 from tiny_models import make_tiny_drafter, make_tiny_target
-from vllm_carryover.train import baseline, target_states
+from vllm_carryover.train import state_cache, target_states
 from vllm_carryover.train.baseline import Sequence, sequence_feed
 from vllm_carryover.train.device import placement, resolve_device
-from vllm_carryover.train.dflash_loss import IGNORE, block_teacher_logits, weighted_block_ce
 from vllm_carryover.train.main import main
 from vllm_carryover.train.paths import run_dir
+from vllm_carryover.train.state_cache import StateCache
 
 from vllm_carryover.drafter_format import default_target_layers
 from vllm_carryover.dtype import cpu_has_native_bf16, fastest_dtype
@@ -50,82 +50,55 @@ def test_auto_is_the_local_rank_gpu_else_the_cpu_in_bf16_where_native(
     assert placement("cpu", "bfloat16").dtype == torch.bfloat16
 
 
-def test_online_states_are_the_cached_tensors(tmp_path: Path,
+def test_cached_states_are_the_online_tensors(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The cache through `extract` (its Ray map run in-process), the online states through
-    the recipes' feed, the target in the cache's dtype on the CPU."""
+    """The recipes' feed over the state cache: the first visit computes a sequence's
+    states and stores them, and what the cache gives back (reopened from disk) is the
+    online tensor bit for bit, in the fastest dtype on the default device. A put cut off
+    before its flag leaves the row unfilled; another layout starts an empty cache."""
     target = str(make_tiny_target(tmp_path / "target"))
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(1, 512, (int(n),), generator=gen).tolist()
             for n in torch.randint(6, 40, (6,), generator=gen)]
-
-    def in_process(fn: Any, items: list[Any], *, workers: int, cpus_per_worker: int,
-                   address: str | None, desc: str, **kwargs: Any) -> list[Any]:
-        return fn(items, **kwargs)
-
-    monkeypatch.setattr(target_states, "map_shards", in_process)
-    alone = target_states.extract(target, seqs, LAYERS, tmp_path / "alone.pt", batch_size=1)
-    batched = target_states.extract(target, seqs, LAYERS, tmp_path / "batched.pt")
     decoder = target_states.truncated_decoder(target, max(LAYERS),
                                               getattr(torch, fastest_dtype()))
-    feed = sequence_feed(placement(str(torch.get_default_device())), LAYERS, decoder)
-    for s, one, in_batch in zip(seqs, alone, batched, strict=True):
-        online = feed(Sequence(torch.tensor(s), 0, None)).aux
-        assert online.dtype == torch.bfloat16 and not online.is_inference()
-        assert torch.equal(online, one)
+    place = placement(str(torch.get_default_device()))
+    lengths, feature, folder = [len(s) for s in seqs], 128 * len(LAYERS), tmp_path / "states"
+    cache = StateCache.open(folder, lengths, feature, LAYERS, decoder.dtype)
+    online, cached = sequence_feed(place, LAYERS, decoder), sequence_feed(
+        place, LAYERS, decoder, cache)
+    first = [cached(Sequence(torch.tensor(s), 0, None, row=i)).aux for i, s in enumerate(seqs)]
+    reopened = StateCache.open(folder, lengths, feature, LAYERS, decoder.dtype)
+    assert reopened.complete()
+    batched = target_states.stored_states(decoder, seqs, LAYERS)
+    for i, (s, in_batch) in enumerate(zip(seqs, batched, strict=True)):
+        want = online(Sequence(torch.tensor(s), 0, None)).aux
+        assert want.dtype == torch.bfloat16 and not want.is_inference()
+        assert torch.equal(first[i], want)
+        assert torch.equal(reopened.get(i), want.cpu())
         # a padded batch changes the matmul shapes and so the rounding: in float32 compute
         # in the last bits (one bf16 step once stored); in bf16 compute (the fastest dtype
         # on a CPU with AMX) in bf16's own rounding of the sums, one bf16 step at the
         # states' scale; a padding leak would move them by their whole size
         scale = 1e-6 if decoder.dtype == torch.float32 else 2 ** -7 * float(
             in_batch.float().abs().max())
-        torch.testing.assert_close(online, in_batch, rtol=2 ** -7, atol=scale)
+        torch.testing.assert_close(want, in_batch, rtol=2 ** -7, atol=scale)
 
+    fresh = StateCache.open(folder, lengths, feature, LAYERS, torch.float64)  # another key
+    assert fresh.filled() == 0 and fresh.get(0) is None
 
-def test_distill_teacher_is_the_targets_next_token_distribution(tmp_path: Path) -> None:
-    """The whole decoder gives the truncated one's aux states and a final state whose
-    product with the LM head is the target's logits; block slot j at anchor a is taught
-    by the target's logits at a + j - 1, the position that predicts the slot's token."""
-    from transformers import AutoModelForCausalLM
+    def killed(fd: int) -> None:
+        raise KeyboardInterrupt  # the run stops after the rows, before their flag
 
-    target = str(make_tiny_target(tmp_path / "target"))
-    tokens = torch.randint(1, 512, (20,), generator=torch.Generator().manual_seed(0))
-    truncated = target_states.truncated_decoder(target, max(LAYERS))
-    aux, final = target_states.states_and_final(target_states.truncated_decoder(target, None),
-                                                tokens.tolist(), LAYERS)
-    assert torch.equal(aux, target_states.stored_states(truncated, [tokens.tolist()], LAYERS)[0])
-    lm = AutoModelForCausalLM.from_pretrained(target).eval()
-    with torch.no_grad():
-        want = lm(tokens[None]).logits[0]
-    head = lm.lm_head.weight.detach()
-    anchors = torch.tensor([3, 10, 18])
-    taught = block_teacher_logits(final, anchors, 3, head)
-    torch.testing.assert_close(taught[1, 2], final[12].float() @ head.T)
-    torch.testing.assert_close(taught[1], want[10:13], rtol=0.02, atol=0.02)  # bf16 state
-    torch.testing.assert_close(taught[2, 2], taught[2, 1])  # past the end: clamped
-
-
-def test_distill_one_with_a_certain_teacher_is_the_label_loss() -> None:
-    """--distill 1 replaces the labels by the teacher's distribution: a teacher sure of
-    the label gives the labels' loss; a teacher unsure of it gives a larger one."""
-    gen = torch.Generator().manual_seed(0)
-    logits, labels = torch.randn(5, 3, 40, generator=gen), torch.randint(40, (5, 3), generator=gen)
-    labels[4, 2] = IGNORE
-    slots = torch.tensor([1.0, 0.5, 0.25])
-    sure = 1e4 * torch.nn.functional.one_hot(labels.clamp(min=0), 40).float()
-    hard = weighted_block_ce(logits, labels, slots)[0]
-    torch.testing.assert_close(weighted_block_ce(logits, labels, slots, None, sure, 1.0)[0], hard)
-    unsure = torch.zeros(5, 3, 40)
-    assert weighted_block_ce(logits, labels, slots, None, unsure, 1.0)[0] > hard
-    assert torch.equal(weighted_block_ce(logits, labels, slots, None, unsure, 0.0)[0], hard)
-
-
-def test_distill_refuses_cached_target_states(tiny_setup: dict[str, Path],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(tiny_setup["cache"]))
-    with pytest.raises(SystemExit, match="drop --target-states cached"):
-        main(recipe_argv("baseline", tiny_setup, "distill-cached", "--distill", "1",
-                         "--target-states", "cached"))
+    with monkeypatch.context() as mp:
+        mp.setattr(state_cache.os, "fdatasync", killed)
+        with pytest.raises(KeyboardInterrupt):
+            fresh.put(0, first[0].cpu())
+    assert fresh.get(0) is None
+    fresh.put(0, first[0].cpu())
+    assert torch.equal(fresh.get(0), first[0].cpu()) and fresh.filled() == 1
+    with pytest.raises(ValueError, match="bf16 states of shape"):
+        fresh.put(1, first[1].float())
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +108,7 @@ def tiny_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     drafter = make_tiny_drafter(target, tmp / "drafter", block_size=4)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CARRYOVER_CACHE", str(tmp / "cache"))
-        write_tiny_dataset(target, LAYERS)
+        write_tiny_dataset(target)
     return {"target": target, "drafter": drafter, "cache": tmp / "cache"}
 
 
@@ -143,18 +116,17 @@ def tiny_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ("baseline", ["--target-states", "online"]),
     ("baseline", ["--dtype", "bfloat16"]),
     ("carryover", ["--target-states", "online", "--dtype", "bfloat16"]),
-    ("baseline", ["--distill", "0.5"]),
-], ids=["baseline-online", "baseline-bf16", "carryover-online-bf16", "baseline-distill"])
+], ids=["baseline-online", "baseline-bf16", "carryover-online-bf16"])
 def test_short_run_on_the_default_device_trains(tiny_setup: dict[str, Path],
                                                 monkeypatch: pytest.MonkeyPatch,
                                                 recipe: str, extra: list[str]) -> None:
     monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(tiny_setup["cache"]))
-    if "online" in extra or "--distill" in extra:  # the state cache is never read
+    if "online" in extra:  # the state cache is never opened
 
         def no_cache(*args: Any) -> None:
-            raise AssertionError("online training read the state cache")
+            raise AssertionError("online training opened the state cache")
 
-        monkeypatch.setattr(baseline, "dataset_states", no_cache)
+        monkeypatch.setattr(StateCache, "open", no_cache)
     run = f"{recipe}-{'-'.join(x.strip('-') for x in extra)}"
     main(recipe_argv(recipe, tiny_setup, run, "--steps", "2", "--eval-every", "0",
                      "--device", str(torch.get_default_device()), *extra))
@@ -166,22 +138,33 @@ def test_short_run_on_the_default_device_trains(tiny_setup: dict[str, Path],
     assert all(v.device.type == "cpu" and v.isfinite().all() for v in final["state"].values())
 
 
-def test_auto_target_states_cache_what_fits_and_compute_the_rest_online(
+def test_auto_target_states_cache_what_fits_on_disk_and_compute_the_rest_online(
         tiny_setup: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    """`--target-states auto`: a dataset whose bf16 states take a sliver of memory is
-    cached; one whose states would take over a quarter of it (a 3M-token dataset on a
-    24 GB machine) runs the target online; an explicit choice stands."""
+    """`--target-states auto`: a dataset whose bf16 states fit on the disk under the cache
+    folder, a margin kept free, is cached; one whose states would not (smollm2-mix-v2's
+    23.6 GiB beside a nearly full disk) runs the target online; an explicit choice
+    stands."""
     from vllm_carryover.train.paths import data_dir
 
     monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(tiny_setup["cache"]))
-    folder, feature = data_dir(DATA), 3 * 64
-    assert target_states.states_gib(folder, feature) < 0.01
-    assert target_states.resolve_mode("auto", folder, feature) == "cached"
+    folder, feature = data_dir(DATA), 128 * len(LAYERS)
+
+    def cache(mode: str) -> StateCache | None:
+        return state_cache.dataset_cache(mode, folder, LAYERS, feature, torch.float32)
+
+    assert state_cache.states_gib(folder, feature) < 0.01
+    assert isinstance(cache("auto"), StateCache)
     assert "target states: cached" in capsys.readouterr().out
-    monkeypatch.setattr(target_states, "states_gib", lambda data, size: 1e6)
-    assert target_states.resolve_mode("auto", folder, feature) == "online"
-    assert target_states.resolve_mode("cached", folder, feature) == "cached"
+    assert cache("online") is None
+    monkeypatch.setattr(state_cache, "states_gib", lambda data, size: 1e6)
+    assert cache("auto") is None
+    assert "target states: online" in capsys.readouterr().out
+    assert isinstance(cache("cached"), StateCache)
+    monkeypatch.undo()
+    monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(tiny_setup["cache"]))
+    monkeypatch.setattr(state_cache, "disk_room_gib", lambda folder: 1e-6)
+    assert cache("auto") is None
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),

@@ -35,7 +35,6 @@ from vllm_carryover.train.carryover import CarryoverArgs, train_carryover
 from vllm_carryover.train.paths import run_dir
 
 from vllm_carryover.checkpoint import load_drafter_state
-from vllm_carryover.drafter_format import default_target_layers
 
 REPO = Path(__file__).resolve().parent.parent
 K = 3  # block size 4: the bonus token + 3 drafted tokens
@@ -67,9 +66,9 @@ def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-def write_target_dataset(target: Path, layer_ids: list[int]) -> None:
-    """Prompts with the target's greedy responses and their bf16 aux states, cached as
-    `python -m train data` caches them."""
+def write_target_dataset(target: Path) -> None:
+    """Prompts with the target's greedy responses, in the cache as `python -m train data`
+    leaves them."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
@@ -78,7 +77,7 @@ def write_target_dataset(target: Path, layer_ids: list[int]) -> None:
         rows.append({"id": f"r{i}", "group": f"g{i}", "category": "chat", "messages": [],
                      "prompt_ids": prompt, "response_ids": greedy(model, prompt, 16),
                      "response": "", "split": "heldout" if i % 5 == 0 else "train"})
-    write_cached_dataset(target, DATA, rows, layer_ids)
+    write_cached_dataset(target, DATA, rows)
 
 
 def export_run(target: Path, run: str, out: Path, cache: Path, *extra: str) -> Path:
@@ -103,7 +102,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CARRYOVER_CACHE", str(cache))
         torch.set_num_threads(1)  # the recipes do too (threads=1): far faster on a busy CPU
-        write_target_dataset(target, default_target_layers(4))
+        write_target_dataset(target)
         train_baseline(BaselineArgs(target=str(target), run="tiny-baseline", block_size=K + 1,
                                     intermediate_size=64, lr=1e-2, steps=BASELINE_STEPS,
                                     **RUN))

@@ -2,8 +2,8 @@
 torchrun runs (2 processes, gloo) keep every rank's weights identical.
 
 Runs go through `python -m train` (in-process, or torchrun in a subprocess) with
-the cache in a temporary VLLM_CARRYOVER_CACHE; the dataset's target states are
-written directly, as `python -m train data` caches them, to avoid a Ray start.
+the cache in a temporary VLLM_CARRYOVER_CACHE, where the dataset is written directly
+(no vLLM) and the first run's visits fill its target-state cache.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from tiny_models import make_tiny_drafter, make_tiny_target, write_cached_dataset
-from vllm_carryover.train.baseline import grow_layers
+from vllm_carryover.train.baseline import fresh_drafter_state
 from vllm_carryover.train.dflash_loss import (
     IGNORE,
     WalkStats,
@@ -29,12 +29,12 @@ from vllm_carryover.train.dflash_loss import (
 )
 from vllm_carryover.train.main import main
 from vllm_carryover.train.paths import run_dir
+from vllm_carryover.train.target_states import stored_states
 from vllm_carryover.train.trainer import weights_digest
 
 from vllm_carryover.checkpoint import load_drafter_state
-from vllm_carryover.drafter_format import DrafterConfig, default_target_layers
-from vllm_carryover.target_weights import target_embedding
-from vllm_carryover.torch_drafter import TorchDrafter
+from vllm_carryover.drafter_format import DrafterConfig
+from vllm_carryover.target_weights import target_final_norm
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 512  # make_tiny_target's default
@@ -43,13 +43,13 @@ DATA = "tiny-loop"
 
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A tiny target, a drafter folder for it and a cached dataset with its target states."""
+    """A tiny target, a drafter folder for it and a dataset in the cache."""
     tmp = tmp_path_factory.mktemp("train_loop")
     target = make_tiny_target(tmp / "target")
     drafter = make_tiny_drafter(target, tmp / "drafter", block_size=4)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CARRYOVER_CACHE", str(tmp / "cache"))
-        write_tiny_dataset(target, default_target_layers(4))
+        write_tiny_dataset(target)
     return {"target": target, "drafter": drafter, "cache": tmp / "cache"}
 
 
@@ -59,8 +59,8 @@ def cache(tiny_setup: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> Path:
     return tiny_setup["cache"]
 
 
-def write_tiny_dataset(target: Path, layer_ids: list[int]) -> None:
-    """15 random prompt + response rows (3 held out) and their bf16 aux states."""
+def write_tiny_dataset(target: Path) -> None:
+    """15 random prompt + response rows (3 held out)."""
     gen = torch.Generator().manual_seed(0)
     rows = []
     for i in range(15):
@@ -69,7 +69,7 @@ def write_tiny_dataset(target: Path, layer_ids: list[int]) -> None:
         rows.append({"id": f"r{i}", "group": f"g{i}", "category": "chat", "messages": [],
                      "prompt_ids": toks[:n_prompt], "response_ids": toks[n_prompt:],
                      "response": "", "split": "heldout" if i % 5 == 0 else "train"})
-    write_cached_dataset(target, DATA, rows, layer_ids)
+    write_cached_dataset(target, DATA, rows)
 
 
 def recipe_argv(recipe: str, setup: dict[str, Path], run: str, *extra: str) -> list[str]:
@@ -114,6 +114,53 @@ def test_resume_equals_an_uninterrupted_run(tiny_setup: dict[str, Path], cache: 
     assert a["meta"]["trained_label_tokens"] == b["meta"]["trained_label_tokens"]
     assert b["meta"]["train_seconds"] >= round(first["train_seconds"], 1)
     assert log_steps(whole) == log_steps(split)
+
+
+@pytest.mark.parametrize("recipe", ["baseline", "carryover"])
+def test_interrupted_multi_epoch_run_over_the_state_cache_resumes_to_the_online_result(
+        tiny_setup: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        recipe: str) -> None:
+    """16 steps of 2 draws over 12 training sequences, so most are visited several times.
+    Online, every visit runs the target. Over a new state cache, interrupted after 5 steps
+    and resumed, the target runs once per sequence (the resumed invocation reads what the
+    first one stored) and the run ends with the online run's weights bit for bit. A third
+    run of the same draws reads every state from the cache: the target never runs."""
+    from vllm_carryover.train import baseline
+
+    monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(tmp_path / "cache"))
+    write_tiny_dataset(tiny_setup["target"])  # no target state stored yet
+    computed: list[tuple[int, ...]] = []
+
+    def counted(decoder: Any, batch: list[list[int]], layer_ids: list[int]
+                ) -> list[torch.Tensor]:
+        computed.extend(tuple(s) for s in batch)
+        return stored_states(decoder, batch, layer_ids)
+
+    monkeypatch.setattr(baseline, "stored_states", counted)
+    steps = ("--steps", "16", "--eval-every", "8")
+    main(recipe_argv(recipe, tiny_setup, "online", *steps, "--target-states", "online"))
+    draws = [i for x in log_steps("online") if "seqs" in x for i in x["seqs"]]
+    assert len(draws) == 32 and len(set(draws)) < len(draws)  # revisits: several epochs
+    assert len(computed) == len(draws) + 3  # + the 3 held-out sequences, once per run
+
+    computed.clear()
+    split = (recipe, tiny_setup, "cached", *steps, "--target-states", "cached")
+    main(recipe_argv(*split, "--stop-after", "5"))
+    first = len(computed)
+    main(recipe_argv(*split, "--resume"))
+    assert len(computed) == len(set(computed)) == len(set(draws)) + 3  # once each
+    assert 0 < first < len(computed)  # the first invocation filled part of the cache
+    a, b = (torch.load(run_dir(r) / "final.pt")["state"] for r in ("online", "cached"))
+    assert weights_digest(a) == weights_digest(b)
+    assert log_steps("online") == log_steps("cached")
+
+    def no_target(*args: Any) -> None:
+        raise AssertionError("the target ran for a cached sequence")
+
+    monkeypatch.setattr(baseline, "stored_states", no_target)
+    main(recipe_argv(recipe, tiny_setup, "reread", *steps, "--target-states", "cached"))
+    assert weights_digest(torch.load(run_dir("reread") / "final.pt")["state"]) == \
+        weights_digest(a)
 
 
 def test_resume_refuses_without_checkpoint_or_with_other_settings(
@@ -222,19 +269,15 @@ def test_unvisited_weight_one_is_the_plain_run(tiny_setup: dict[str, Path],
     assert all(v.isfinite().all() for v in states["focused"].values())
 
 
-def test_grown_drafter_drafts_as_the_shallow_one_until_trained(tmp_path: Path) -> None:
+def test_fresh_drafter_starts_with_silent_branches_and_the_targets_final_norm(
+        tmp_path: Path) -> None:
+    """A new drafter's residual stream starts as its input embedding (every o_proj and
+    down_proj at zero), normed as the target norms its own last state."""
     target = make_tiny_target(tmp_path / "target")
-    cfg, state = load_drafter_state(make_tiny_drafter(target, tmp_path / "drafter"))
-    deep_cfg, deep_state = grow_layers(cfg, state, 3)
-    assert deep_cfg["num_hidden_layers"] == 3 and len(deep_cfg["layer_types"]) == 3
-    assert grow_layers(cfg, state, 1) == (cfg, state)  # never shrinks
-
-    def logits(c: dict[str, Any], s: dict[str, torch.Tensor]) -> torch.Tensor:
-        model = TorchDrafter(DrafterConfig.from_dict(c), target_embedding(str(target)))
-        model.load_checkpoint_state(s)
-        gen = torch.Generator().manual_seed(0)
-        fused = torch.randn(12, model.config.hidden_size, generator=gen)
-        return model.draft_logits(fused, torch.arange(12), bonus_token=7, block_start=12,
-                                  num_draft=4)
-
-    torch.testing.assert_close(logits(deep_cfg, deep_state), logits(cfg, state))
+    cfg = DrafterConfig.from_dict(load_drafter_state(make_tiny_drafter(target,
+                                                                       tmp_path / "d"))[0])
+    state = fresh_drafter_state(cfg, str(target), seed=0)
+    branches = [k for k in state if k.endswith(("o_proj.weight", "down_proj.weight"))]
+    assert branches and all(not state[k].any() for k in branches)
+    assert torch.equal(state["norm.weight"], target_final_norm(target))
+    assert state["layers.0.self_attn.q_proj.weight"].std() > 0

@@ -47,20 +47,11 @@ def torch_drafter_for(drafter: Path, target: Path) -> TorchDrafter:
     return model.eval()
 
 
-def write_cached_dataset(target: Path, name: str, rows: list[dict], layer_ids: list[int]
-                         ) -> None:
-    """A training dataset in the cache plus its bf16 target-state file, written directly
-    (no Ray, no vLLM) the way `python -m train data` leaves them."""
+def write_cached_dataset(target: Path, name: str, rows: list[dict]) -> None:
+    """A training dataset in the cache folder, written directly (no Ray, no vLLM) the way
+    `python -m train data` leaves it; its target states fill the state cache as the
+    first run visits them."""
     from vllm_carryover.train.data import write_dataset
     from vllm_carryover.train.paths import data_dir
-    from vllm_carryover.train.target_states import aux_states, states_file, truncated_decoder
 
-    folder = data_dir(name)
-    manifest = write_dataset(folder, rows, {"target": str(target)})
-    decoder = truncated_decoder(str(target), max(layer_ids))
-    seqs = [r["prompt_ids"] + r["response_ids"] for r in rows]
-    states = [s.to(torch.bfloat16).clone() for s in aux_states(decoder, seqs, layer_ids)]
-    cache = states_file(folder, manifest["sha256"], layer_ids)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"layer_ids": list(layer_ids), "lengths": [len(s) for s in seqs],
-                "states": states}, cache)
+    write_dataset(data_dir(name), rows, {"target": str(target)})

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 from vllm_carryover.train.data import load_samples
 from vllm_carryover.train.device import Placement, placement
@@ -21,23 +22,16 @@ from vllm_carryover.train.dflash_loss import (
     IGNORE,
     BlockStats,
     WalkStats,
-    block_teacher_logits,
     sample_anchors,
     slot_weights,
     visit_weights,
     weighted_block_ce,
 )
-from vllm_carryover.train.distributed import rank0_first
 from vllm_carryover.train.draft_verify_draft import block_logits_over, context_kv
 from vllm_carryover.train.options import BaselineArgs, TrainArgs
 from vllm_carryover.train.paths import data_dir
-from vllm_carryover.train.target_states import (
-    dataset_states,
-    resolve_mode,
-    states_and_final,
-    stored_states,
-    truncated_decoder,
-)
+from vllm_carryover.train.state_cache import StateCache, dataset_cache
+from vllm_carryover.train.target_states import stored_states, truncated_decoder
 from vllm_carryover.train.trainer import (
     Feed,
     SeqResult,
@@ -60,44 +54,34 @@ from vllm_carryover.drafter_format import (
 )
 from vllm_carryover.drafter_format import random_state_dict as random_drafter_state
 from vllm_carryover.markov_head import fresh_markov_state
-from vllm_carryover.target_weights import target_embedding
+from vllm_carryover.target_weights import target_embedding, target_final_norm
 from vllm_carryover.torch_drafter import TorchDrafter
 
 
-def load_sequences(target: str, data: str, layer_ids: list[int], cached: bool = True
-                   ) -> dict[str, list[Sequence]]:
-    """Train / heldout sequences with their cached aux states (none: `cached=False`)."""
-    folder = data_dir(data)
-    rows = load_samples(folder)
-    states = dataset_states(target, folder, layer_ids) if cached else [None] * len(rows)
+def load_sequences(data: str) -> dict[str, list[Sequence]]:
+    """Train / heldout sequences of a dataset, without their aux states (a `sequence_feed`
+    gives them)."""
     out: dict[str, list[Sequence]] = {"train": [], "heldout": []}
-    for r, s in zip(rows, states, strict=True):
+    for i, r in enumerate(load_samples(data_dir(data))):
         if len(r["response_ids"]) >= 2:
             toks = torch.tensor(r["prompt_ids"] + r["response_ids"])
-            out[r["split"]].append(Sequence(toks, len(r["prompt_ids"]), s,
-                                            r.get("category", "")))
+            out[r["split"]].append(Sequence(toks, len(r["prompt_ids"]), None,
+                                            r.get("category", ""), row=i))
     return out
 
 
-def sequence_feed(place: Placement, layer_ids: list[int], decoder: Any = None) -> Feed:
-    """Sequences moved to the device with their aux states: the cached ones, or, given
-    the target's truncated `decoder`, the states computed now (`--target-states online`)
-    by the function that fills the cache."""
+def sequence_feed(place: Placement, layer_ids: list[int], decoder: Any = None,
+                  cache: StateCache | None = None) -> Feed:
+    """Sequences moved to the device with their aux states: read from the state `cache`
+    where an earlier visit stored them, else computed now by the target's truncated
+    `decoder` (and stored, when there is a cache: the first epoch fills it)."""
     def feed(seq: Sequence) -> Sequence:
-        aux = seq.aux if decoder is None else stored_states(
-            decoder, [seq.tokens.tolist()], layer_ids)[0]
+        aux = None if cache is None else cache.get(seq.row)
+        if aux is None:
+            aux = stored_states(decoder, [seq.tokens.tolist()], layer_ids)[0]
+            if cache is not None:
+                cache.put(seq.row, aux)
         return replace(seq, tokens=seq.tokens.to(place.device), aux=aux.to(place.device))
-
-    return feed
-
-
-def distill_feed(place: Placement, layer_ids: list[int], decoder: Any) -> Feed:
-    """`sequence_feed` from the whole target `decoder` that also gives each sequence the
-    target's final state, whose next-token distribution is the teacher (`--distill`)."""
-    def feed(seq: Sequence) -> Sequence:
-        aux, last = states_and_final(decoder, seq.tokens.tolist(), layer_ids)
-        return replace(seq, tokens=seq.tokens.to(place.device), aux=aux.to(place.device),
-                       final=last.to(place.device))
 
     return feed
 
@@ -116,13 +100,10 @@ def computed_once(feed: Feed) -> Feed:
     return fed
 
 
-def target_decoder(a: TrainArgs, place: Placement, layer_ids: list[int],
-                   whole: bool = False) -> Any:
-    """The target's decoder up to the last drafter layer (`whole`: all of it, with its final
-    norm), frozen, in the training dtype on the training device (both as
-    `device.placement` resolved them)."""
-    last = None if whole else max(layer_ids)
-    decoder = truncated_decoder(a.target, last, place.dtype, place.device)
+def target_decoder(a: TrainArgs, place: Placement, layer_ids: list[int]) -> Any:
+    """The target's decoder up to the last drafter layer, frozen, in the training dtype on
+    the training device (both as `device.placement` resolved them)."""
+    decoder = truncated_decoder(a.target, max(layer_ids), place.dtype, place.device)
     for p in decoder.parameters():
         p.requires_grad_(False)
     return decoder
@@ -179,6 +160,19 @@ def evaluate(model: TorchDrafter, seqs: list[Sequence], anchors_per_seq: int, fe
     return stats, walk
 
 
+def fresh_drafter_state(d: DrafterConfig, target: str, seed: int) -> dict[str, torch.Tensor]:
+    """A new drafter's weights: random, but every layer's residual branches (`o_proj`,
+    `down_proj`) at zero and the final norm at the target's. Random full-size branches
+    start the residual stream an order of magnitude above the token embedding it carries,
+    and the shared LM head expects states normed as the target norms its own."""
+    state = random_drafter_state(d, seed)
+    for name in state:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            state[name] = torch.zeros_like(state[name])
+    state["norm.weight"] = target_final_norm(target)
+    return state
+
+
 def new_drafter_config(target: str, a: BaselineArgs) -> dict[str, Any]:
     target_cfg = json.loads((Path(target) / "config.json").read_text())
     layer_ids = a.target_layers or default_target_layers(target_cfg["num_hidden_layers"])
@@ -197,31 +191,6 @@ def attach_markov_head(cfg: dict[str, Any], state: dict[str, torch.Tensor], rank
         raise SystemExit(f"the init drafter already has a Markov head of rank {have}; "
                          f"drop --markov-rank or pass --markov-rank {have}")
     return dict(cfg, markov_rank=rank), state | fresh_markov_state(cfg["vocab_size"], rank, seed)
-
-
-def grow_layers(cfg: dict[str, Any], state: dict[str, torch.Tensor], num_layers: int
-                ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config, state) deepened to `num_layers` without changing what the drafter computes.
-
-    Each new layer is appended as a copy of the last one with its two output matrices
-    (`o_proj`, `down_proj`) at zero, so it adds nothing to the residual stream until
-    training moves them. Why deepen: in a one-layer drafter the mask slots' queries are
-    the mask embedding alone, so they cannot ask the context about the bonus token;
-    a second layer's queries can. Growing keeps everything the shallow lineage learned.
-    """
-    have = cfg["num_hidden_layers"]
-    if num_layers <= have:
-        return cfg, state
-    state = dict(state)
-    last = f"layers.{have - 1}."
-    for i in range(have, num_layers):
-        for name in [k for k in state if k.startswith(last)]:
-            new = f"layers.{i}." + name[len(last):]
-            zero = name.endswith(("o_proj.weight", "down_proj.weight"))
-            state[new] = torch.zeros_like(state[name]) if zero else state[name].clone()
-    kinds = cfg.get("layer_types") or ["full_attention"] * have
-    return dict(cfg, num_hidden_layers=num_layers,
-                layer_types=kinds + [kinds[-1]] * (num_layers - have)), state
 
 
 def param_groups(model: TorchDrafter, a: TrainArgs,
@@ -257,10 +226,9 @@ def train_baseline(a: BaselineArgs) -> Path:
                              f"the --init-run drafter has draft_vocab_size "
                              f"{cfg.get('draft_vocab_size')}: convert it first (`python -m "
                              "train draft-vocab`) or drop --draft-vocab")
-        cfg, state = grow_layers(cfg, state, a.layers)
     else:
         cfg = new_drafter_config(a.target, a)
-        state = random_drafter_state(DrafterConfig.from_dict(cfg), a.seed)
+        state = fresh_drafter_state(DrafterConfig.from_dict(cfg), a.target, a.seed)
         if a.draft_vocab:
             cfg, state = with_dataset_vocab(cfg, state, a.target, a.data, a.draft_vocab)
     cfg, state = attach_markov_head(cfg, state, a.markov_rank, a.seed)
@@ -274,19 +242,14 @@ def train_baseline(a: BaselineArgs) -> Path:
     opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01)
 
     layer_ids = list(dcfg.target_layer_ids)
-    if a.distill and a.target_states == "cached":
-        raise SystemExit("--distill runs the whole target on every training sequence (its "
-                         "next-token distribution is the teacher), so its states come "
-                         "online: drop --target-states cached")
-    # the teacher needs the whole target anyway, so a cache would save nothing
-    online = bool(a.distill) or resolve_mode(
-        a.target_states, data_dir(a.data), len(layer_ids) * dcfg.target_hidden_size) == "online"
-    with rank0_first():  # rank 0 fills the target-state cache, the others read it
-        seqs = load_sequences(a.target, a.data, layer_ids, cached=not online)
-    decoder = target_decoder(a, place, layer_ids, whole=bool(a.distill)) if online else None
-    feed = (distill_feed if a.distill else sequence_feed)(place, layer_ids, decoder)
-    # evaluation needs no teacher: the held-out sequences get their states alone
-    heldout_feed = computed_once(sequence_feed(place, layer_ids, decoder)) if online else feed
+    seqs = load_sequences(a.data)
+    cache = dataset_cache(a.target_states, data_dir(a.data), layer_ids,
+                          len(layer_ids) * dcfg.target_hidden_size, place.dtype)
+    # the target runs for the states not cached yet
+    decoder = None if cache is not None and cache.complete() else target_decoder(
+        a, place, layer_ids)
+    feed = sequence_feed(place, layer_ids, decoder, cache)
+    heldout_feed = computed_once(feed) if cache is None else feed
     train, heldout = seqs["train"], seqs["heldout"]
     weights = slot_weights(dcfg.block_size - 1, a.gamma)
     loop = Trainer(a, "baseline", model, params, opt, cfg, train, {"trained_label_tokens": 0},
@@ -294,15 +257,21 @@ def train_baseline(a: BaselineArgs) -> Path:
 
     def seq_loss(seq: Sequence, anchors: torch.Tensor, ids: torch.Tensor | None) -> SeqResult:
         with restricted_head(model, ids):
-            logits, labels = block_logits(model, seq, anchors)
-            teacher = None if seq.final is None else block_teacher_logits(
-                seq.final, anchors, labels.shape[1], model.lm_head)
-        if ids is not None:
-            labels = remap_labels(labels, ids, dcfg.vocab_size)
+            k, v = context_kv(model, seq.aux)
+            rows, blocks = block_logits_over(model, k, v, seq.tokens, anchors, with_bonus=True)
+            logits = model.teacher_forced(rows[:, 1:], blocks.prev_ids)
+        labels = blocks.labels if ids is None else remap_labels(blocks.labels, ids,
+                                                                 dcfg.vocab_size)
         visited = None if a.unvisited_weight == 1.0 else visit_weights(
             logits.detach().argmax(-1), labels, anchors, seq.response_start,
             a.unvisited_weight)
-        loss, _ = weighted_block_ce(logits, labels, weights, visited, teacher, a.distill)
+        loss, _ = weighted_block_ce(logits, labels, weights, visited)
+        if a.bonus_weight:
+            # the bonus row also predicts slot 1's token: in a drafter of two or more layers
+            # the slots read the bonus token through that row's later-layer states, a path
+            # the slots' own loss alone trains only indirectly
+            loss = loss + a.bonus_weight * F.cross_entropy(rows[:, 0], labels[:, 0],
+                                                           ignore_index=IGNORE)
         return SeqResult(loss, counts={"trained_label_tokens": int((labels != IGNORE).sum())})
 
     def heldout_eval() -> dict[str, Any]:

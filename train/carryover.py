@@ -33,7 +33,6 @@ from vllm_carryover.train.dflash_loss import (
     slot_weights,
     weighted_block_ce,
 )
-from vllm_carryover.train.distributed import rank0_first
 from vllm_carryover.train.draft_verify_draft import (
     context_kv,
     draft_verify_draft,
@@ -41,7 +40,7 @@ from vllm_carryover.train.draft_verify_draft import (
 )
 from vllm_carryover.train.options import CarryoverArgs
 from vllm_carryover.train.paths import CHECKPOINTS, data_dir
-from vllm_carryover.train.target_states import resolve_mode
+from vllm_carryover.train.state_cache import dataset_cache
 from vllm_carryover.train.trainer import Feed, SeqResult, Trainer, load_init, meta_args
 from vllm_carryover.train.vocab_subset import remap_labels
 
@@ -98,14 +97,12 @@ def train_carryover(a: CarryoverArgs) -> Path:
     params = [p for g in groups for p in g["params"]]
     opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01)
     layer_ids = list(dcfg.target_layer_ids)
-    decoder = target_decoder(a, place, layer_ids)  # verify passes, online states too
-
-    online = resolve_mode(a.target_states, data_dir(a.data),
-                          len(layer_ids) * dcfg.target_hidden_size) == "online"
-    with rank0_first():  # rank 0 fills the target-state cache, the others read it
-        seqs = load_sequences(a.target, a.data, layer_ids, cached=not online)
-    feed = sequence_feed(place, layer_ids, decoder if online else None)
-    heldout_feed = computed_once(feed) if online else feed
+    decoder = target_decoder(a, place, layer_ids)  # verify passes, uncached states too
+    seqs = load_sequences(a.data)
+    cache = dataset_cache(a.target_states, data_dir(a.data), layer_ids,
+                          len(layer_ids) * dcfg.target_hidden_size, place.dtype)
+    feed = sequence_feed(place, layer_ids, decoder, cache)  # the baseline recipe's feed
+    heldout_feed = computed_once(feed) if cache is None else feed
     train, heldout = seqs["train"], seqs["heldout"]
     weights = slot_weights(dcfg.block_size - 1, a.gamma)
     counts = {"first_label_tokens": 0, "second_label_tokens": 0, "anchors": 0,

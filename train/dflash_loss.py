@@ -68,33 +68,16 @@ def slot_weights(num_slots: int, gamma: float) -> torch.Tensor:
 
 
 def weighted_block_ce(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                      anchor_weights: torch.Tensor | None = None,
-                      teacher_logits: torch.Tensor | None = None, distill: float = 0.0
+                      anchor_weights: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted mean CE, per-slot weight sum) of draft logits [A, K, V] vs labels [A, K];
-    slot j weighs `weights[j]`, and block a also `anchor_weights[a]` when given. With
-    `teacher_logits` [A, K, V], each slot's CE is (1 - distill) x the labels' + distill x
-    the CE against the teacher's softmax (the labels' IGNORE still masks it)."""
+    slot j weighs `weights[j]`, and block a also `anchor_weights[a]` when given."""
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
                          reduction="none").view(labels.shape)
-    if teacher_logits is not None and distill:
-        soft = -(teacher_logits.float().softmax(-1) * logits.float().log_softmax(-1)).sum(-1)
-        ce = (1 - distill) * ce + distill * soft.masked_fill(labels == IGNORE, 0.0)
     w = weights.to(ce.device)[None, :] * (labels != IGNORE)
     if anchor_weights is not None:
         w = w * anchor_weights.to(ce.device)[:, None]
     return (ce * w).sum() / w.sum().clamp(min=1e-6), w.sum(0)
-
-
-def block_teacher_logits(final: torch.Tensor, anchors: torch.Tensor, num_slots: int,
-                         head: torch.Tensor) -> torch.Tensor:
-    """[A, K, V] the target's logits for block slots 1..K at `anchors`: slot j's token
-    sits at anchor + j, so the target's distribution for it comes from its final normed
-    state `final` [T, H] at anchor + j - 1 (positions past the end are clamped; their
-    labels are IGNORE). `head` [V, H]: the LM head rows the drafter's logits cover."""
-    pos = (anchors[:, None] + torch.arange(num_slots, device=anchors.device)[None])
-    with torch.no_grad():
-        return final[pos.clamp(max=final.shape[0] - 1)].float() @ head.T.float()
 
 
 def accepted_length(drafts: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -170,8 +153,8 @@ class WalkStats:
     A run anchors its first block at the first response token and each next one just
     past the accepted prefix and the target's own token, so it never anchors inside a
     stretch it has just accepted: it meets the hard positions more often than uniformly
-    sampled anchors do. This is the estimate that predicts vLLM's tau (docs/results.md,
-    session 17, sets the uniform, walked and vLLM figures of one drafter side by side).
+    sampled anchors do. This is the estimate that predicts vLLM's tau (docs/results.md
+    sets the uniform, walked and vLLM figures of the shipped baseline side by side).
     """
 
     rounds: int = 0

@@ -71,16 +71,17 @@ def context_kv(model: TorchDrafter, aux: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def block_logits_over(model: TorchDrafter, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-                      tokens: torch.Tensor, anchors: torch.Tensor
+                      tokens: torch.Tensor, anchors: torch.Tensor, with_bonus: bool = False
                       ) -> tuple[torch.Tensor, Blocks]:
     """Plain DFlash blocks over precomputed context K/V: (the backbone's logits
-    [A, K, V], without any Markov bias; the blocks, with their labels [A, K])."""
+    [A, K, V], without any Markov bias; the blocks, with their labels [A, K]).
+    `with_bonus`: the logits are [A, 1 + K, V], the bonus token's row first."""
     d = model.config
     blocks = make_blocks(tokens, anchors, d.block_size, d.mask_token_id, ctx_k.shape[1])
     # one context for all anchors, each masked to the positions before it
     logits = model(blocks.query_ids, blocks.query_pos, ctx_k[:, None], ctx_v[:, None],
                    blocks.ctx_mask)
-    return logits[:, 1:], blocks
+    return (logits if with_bonus else logits[:, 1:]), blocks
 
 
 def verify_inputs(tokens: torch.Tensor, anchors: torch.Tensor, drafts: torch.Tensor,

@@ -114,8 +114,8 @@ def walked_tau(drafter: Any, seqs: list[Any]) -> dict[str, float]:
 def heldout_sequences(target: str, data: str, layer_ids: list[int]) -> list[Any]:
     """The held-out sequences with their target states computed now, in float32.
 
-    Only the held-out split is read: the cache of a whole dataset's states (18 GiB for
-    smollm2-mix-v2) would take hours to fill and more memory than a small machine has."""
+    Only the held-out split's states are computed, once each, and no state cache is
+    filled (the training caches hold states of the training dtype)."""
     import torch
     from vllm_carryover.train.baseline import load_sequences, sequence_feed
     from vllm_carryover.train.device import Placement
@@ -123,7 +123,7 @@ def heldout_sequences(target: str, data: str, layer_ids: list[int]) -> list[Any]
 
     decoder = truncated_decoder(target, max(layer_ids))
     feed = sequence_feed(Placement(torch.device("cpu"), torch.float32), layer_ids, decoder)
-    return [feed(s) for s in load_sequences(target, data, layer_ids, cached=False)["heldout"]]
+    return [feed(s) for s in load_sequences(data)["heldout"]]
 
 
 def load_drafter(target: str, init: str) -> Any:

@@ -1,4 +1,4 @@
-"""What prompt lookup and the drafter could do together, measured before building it.
+"""What prompt lookup and the drafter could do together, and what a table does alone.
 
 vLLM's n-gram proposer (prompt lookup) finds the longest earlier occurrence (2 to 4
 tokens by default) of the text's last tokens and proposes the K tokens that followed
@@ -17,13 +17,24 @@ greedy speculative run does (`WalkStats`) under these policies:
   lookup+corpus  the prompt lookup's proposal, else the corpus lookup's, else nothing
   all            the prompt lookup's, else the corpus lookup's, else the drafter's block
 
+and, the reference every drafter is compared with, the table rules (`train.table_rules`):
+
+  copy           what followed the last earlier occurrence of (previous token, bonus
+                 token) in the text so far (prompt and response), K tokens, none past it
+  trigram        the train split's most frequent continuation of the last two tokens
+                 (else of the last one), chained to K tokens
+  copy+trigram   the copy, extended to K by the trigram chain
+
 Reported per category (and "all"): each policy's tau (tokens per step), and the share
-of the `both` walk's steps that used the lookup. Without `--init` only the policies
-that need no drafter (lookup, corpus, lookup+corpus), `-k` tokens per step, in seconds:
-how a corpus table's rule (`--min-count`, `--min-share`) drafts.
+of the `both` walk's steps that used the lookup; with a drafter also its slot-1
+accuracy (the first draft right) over every response position, split by whether the
+copy rule finds a match there (`slot1_copy_match`, `slot1_no_match`). Without `--init`
+only the policies that need no drafter (lookup, corpus, lookup+corpus and the table
+rules), `-k` tokens per step, in seconds: how a corpus table's rule (`--min-count`,
+`--min-share`) drafts and what a table alone walks.
 `--max-response-tokens N` walks only each response's first N tokens, the part a
 served request with `max_tokens` N writes: the lookups draft more of a response's later
-tokens, where it has begun to repeat itself (docs/results.md, session 31), so a
+tokens, where it has begun to repeat itself (docs/results.md), so a
 short-answer benchmark meets fewer of them.
 Target states and drafts are computed in the machine's fastest dtype (bf16 where
 native), as training's held-out estimate is.
@@ -38,6 +49,7 @@ from typing import TYPE_CHECKING
 
 from vllm_carryover.train.data import add_corpus_rule_options
 from vllm_carryover.train.headroom import add_drafter_options, load_drafter, print_table
+from vllm_carryover.train.table_rules import NO_DRAFT, RULES, TrigramTable, rule_drafts
 
 from vllm_carryover.corpus_lookup import MIN_COUNT, MIN_SHARE
 from vllm_carryover.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, PromptLookup, Propose
@@ -45,9 +57,9 @@ from vllm_carryover.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, PromptLoo
 if TYPE_CHECKING:
     import torch
 
-POLICIES = ("drafter", "lookup", "both", "corpus", "lookup+corpus", "all")
-LOOKUP_POLICIES = ("lookup", "corpus", "lookup+corpus")  # the walks without a drafter
-NO_DRAFT = -1  # a draft id no label equals
+POLICIES = ("drafter", "lookup", "both", "corpus", "lookup+corpus", "all", *RULES)
+LOOKUP_POLICIES = ("lookup", "corpus", "lookup+corpus", *RULES)  # the walks without a drafter
+SLOT1_COLUMNS = ("slot1_copy_match", "slot1_no_match")  # the drafter's first draft right
 
 
 def anchored_drafts(tokens: torch.Tensor, start: int, num_drafts: int,
@@ -81,14 +93,16 @@ def lookup_headroom(target: str, init: str | None, data: str, chunk: int = 64,
                     min_count: int = MIN_COUNT, min_share: float = MIN_SHARE,
                     max_response_tokens: int | None = None, num_drafts: int = 7
                     ) -> dict[str, dict[str, float]]:
-    """Per category (and "all"): each policy's walked tau and the lookup's share of the
-    `both` walk's steps; `min_count` / `min_share`: the corpus table's rule;
+    """Per category (and "all"): each policy's walked tau, the lookup's share of the
+    `both` walk's steps and the drafter's slot-1 accuracy where the copy rule matches and
+    where it does not; `min_count` / `min_share`: the corpus table's rule;
     `max_response_tokens`: walk only each response's first this many tokens. Without a
-    drafter (`init` None) only the lookups' policies, `num_drafts` tokens per step."""
+    drafter (`init` None) only the lookups' and the table rules' policies, `num_drafts`
+    tokens per step."""
     import torch
     from tqdm import tqdm
     from vllm_carryover.train.baseline import greedy_blocks, load_sequences, sequence_feed
-    from vllm_carryover.train.data import corpus_table
+    from vllm_carryover.train.data import corpus_table, load_samples
     from vllm_carryover.train.device import placement
     from vllm_carryover.train.dflash_loss import WalkStats
     from vllm_carryover.train.paths import data_dir
@@ -105,12 +119,16 @@ def lookup_headroom(target: str, init: str | None, data: str, chunk: int = 64,
             target, max(layer_ids), place.dtype, place.device))
     seqs = [seq if max_response_tokens is None else
             replace(seq, tokens=seq.tokens[: seq.response_start + max_response_tokens])
-            for seq in load_sequences(target, data, layer_ids, cached=False)["heldout"]]
+            for seq in load_sequences(data)["heldout"]]
     corpus = corpus_table(data_dir(data), min_count, min_share)
+    trigrams = TrigramTable.build((r["prompt_ids"], r["response_ids"])
+                                  for r in load_samples(data_dir(data), "train"))
     vllm_lookup = PromptLookup(DEFAULT_MIN_N, DEFAULT_MAX_N, 1 << 30).propose  # vLLM's matcher
     walks: dict[str, dict[str, WalkStats]] = defaultdict(
         lambda: {p: WalkStats() for p in policies})
     lookup_steps: dict[str, int] = defaultdict(int)
+    slot1: dict[str, dict[str, list[int]]] = defaultdict(  # [right, positions]
+        lambda: {c: [0, 0] for c in SLOT1_COLUMNS})
     with torch.no_grad():
         for seq in tqdm(seqs, desc="lookup headroom", unit="seq"):
             start, t = seq.response_start, seq.tokens.shape[0]
@@ -121,6 +139,9 @@ def lookup_headroom(target: str, init: str | None, data: str, chunk: int = 64,
                                                      corpus.propose)
             either = torch.where(proposed[:, None], looked, from_corpus)
             by_policy = {"lookup": looked, "corpus": from_corpus, "lookup+corpus": either}
+            tabled, copy_matched = rule_drafts(seq.tokens.cpu().numpy(), start, num_drafts,
+                                               trigrams)
+            by_policy |= {rule: torch.from_numpy(d) for rule, d in tabled.items()}
             if drafter is None:
                 label = response_labels(seq.tokens, start, num_drafts)
             else:
@@ -138,12 +159,20 @@ def lookup_headroom(target: str, init: str | None, data: str, chunk: int = 64,
                 if "both" in visits:  # the steps of the `both` walk that used the lookup
                     both = visits["both"]
                     lookup_steps[name] += int((both & proposed[: len(both)]).sum())
+            if drafter is not None:  # every response position's first draft
+                right = (by_policy["drafter"][:, 0] == label[:, 0]).numpy()
+                for name in groups:
+                    for column, where in zip(SLOT1_COLUMNS, (copy_matched, ~copy_matched),
+                                             strict=True):
+                        slot1[name][column][0] += int(right[where].sum())
+                        slot1[name][column][1] += int(where.sum())
 
     def row(name: str, w: dict[str, WalkStats]) -> dict[str, float]:
         out: dict[str, float] = {p: round(w[p].tau(), 4) for p in policies}
         if "both" in w:
             out["both_steps"] = w["both"].rounds
             out["lookup_share"] = round(lookup_steps[name] / max(w["both"].rounds, 1), 4)
+            out |= {c: round(right / max(n, 1), 4) for c, (right, n) in slot1[name].items()}
         return out
 
     return {name: row(name, w) for name, w in walks.items()}
@@ -151,7 +180,8 @@ def lookup_headroom(target: str, init: str | None, data: str, chunk: int = 64,
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "lookup-headroom", help="what prompt lookup and the drafter could do together",
+        "lookup-headroom", help="what prompt lookup and the drafter could do together, "
+        "next to the copy / trigram table rules",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_drafter_options(p, init_required=False)
     add_corpus_rule_options(p)
@@ -172,5 +202,5 @@ def _run(a: argparse.Namespace) -> None:
     print_table(lookup_headroom(a.target or default_target(), a.init, a.data,
                                 min_count=a.min_count, min_share=a.min_share,
                                 max_response_tokens=a.max_response_tokens, num_drafts=a.k),
-                [*POLICIES, "both_steps", "lookup_share"] if a.init else LOOKUP_POLICIES,
-                a.out)
+                [*POLICIES, "both_steps", "lookup_share", *SLOT1_COLUMNS] if a.init
+                else LOOKUP_POLICIES, a.out)

@@ -88,8 +88,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
         "the CPU, NCCL on CUDA).")
     add_train_options(b, BaselineArgs())
     b.add_argument("--layers", type=int, default=BaselineArgs.layers,
-                   help="drafter decoder layers (default: %(default)s); with --init-run, a "
-                   "larger number deepens that drafter by layers that start as the identity")
+                   help="decoder layers of a new drafter: a slot can look its bonus token up in "
+                   "the context (and continue repeated text) from the second layer on; "
+                   "--init-run keeps that drafter's depth (default: %(default)s)")
     b.add_argument("--block-size", type=int, default=BaselineArgs.block_size,
                    help="draft block size: the bonus token + block-size - 1 drafted tokens "
                    "(default: %(default)s)")
@@ -117,12 +118,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
                    "positions after rejections more often than uniform anchors do; W < 1 "
                    "trains toward them. Needs most of each response's anchors "
                    "(--anchors-per-seq) to follow the walk (default: %(default)s)")
-    b.add_argument("--distill", type=float, default=BaselineArgs.distill, metavar="W",
-                   help="self-distillation: each draft slot's loss is (1 - W) x the cross "
-                   "entropy of the target's token + W x the cross entropy against the "
-                   "target's whole next-token distribution there (its logits over the "
-                   "step's softmax tokens), which also says how close the runners-up "
-                   "were. Runs the whole target online (default: %(default)s, labels only)")
+    b.add_argument("--bonus-weight", type=float, default=BaselineArgs.bonus_weight,
+                   metavar="W", help="loss weight of the bonus token's row, trained to predict "
+                   "the token after it as slot 1 does: with two or more layers that row is "
+                   "where the slots read the bonus token from (default: %(default)s)")
     b.set_defaults(fn=cmd_baseline)
 
     c = sub.add_parser(
@@ -131,8 +130,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
         "(greedy), verify against the data's tokens, run the target once over all rejected "
         "drafts (block-sparse mask) and draft again from the next anchor with those rejected "
         "states carried over. Loss: second draft + --first-draft-weight x first draft. Needs "
-        "the target in memory (in --dtype, on --device; it also computes --target-states "
-        "online); costs one extra target pass per sequence. Runs alone or data-parallel "
+        "the target in memory (in --dtype, on --device; it also computes the target states "
+        "not cached yet); costs one extra target pass per sequence. Runs alone or data-parallel "
         "under torchrun (--nproc-per-node N; gloo on the CPU, NCCL on CUDA).")
     add_train_options(c, CarryoverArgs())
     c.add_argument("--init", default=CarryoverArgs.init,

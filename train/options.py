@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 from vllm_carryover.train.paths import CHECKPOINTS, DEFAULT_DATA
 
 # Options that only steer one invocation (not what is trained): `--resume` may change them.
-# The device is one (a CPU run may go on on a GPU), and so are the target states: online
-# ones come from the function that fills the cache (`train.target_states`).
+# The device is one (a CPU run may go on on a GPU), and so are the target states: cached
+# ones are what the same function computes online (`train.state_cache`).
 RUN_CONTROL = frozenset({"resume", "stop_after", "save_every", "eval_every",
                          "eval_anchors_per_seq", "threads", "device", "target_states",
                          "extra"})
@@ -63,7 +63,7 @@ class BaselineArgs(TrainArgs):
     init_run: str = ""
     draft_vocab: int = 0
     unvisited_weight: float = 1.0
-    distill: float = 0.0
+    bonus_weight: float = 1.0
 
 
 @dataclass
@@ -146,15 +146,16 @@ def add_train_options(p: argparse.ArgumentParser, d: TrainArgs) -> None:
                    "(AVX512-BF16, AMX), else float32 "
                    "(default: %(default)s)")
     p.add_argument("--target-states", choices=TARGET_STATES, default=d.target_states,
-                   help="the target's hidden states the drafter reads: cached (computed once "
-                   "per dataset on first use and kept in one file in the cache folder, "
-                   "read whole into memory: worth it when training visits every sequence "
-                   "many times) or online (the target runs in the training loop on every "
-                   "training sequence it visits; the held-out ones once per run: no cache, "
-                   "for datasets whose states do not fit in memory, and for short runs on a "
-                   "fresh machine, where a cache of millions of tokens would take longer to "
-                   "fill than the run); auto: cached while the states take under a quarter "
-                   "of the machine's memory, else online (default: %(default)s)")
+                   help="the target's hidden states the drafter reads: cached (the target "
+                   "runs on a sequence's first visit and its bf16 states go to a "
+                   "memory-mapped file on local disk in the cache folder, one per dataset, "
+                   "target layers and --dtype; later visits, later epochs and later runs "
+                   "read them from there, a sequence at a time, never the whole file into "
+                   "memory) or online (the target runs in the training loop on every "
+                   "training sequence it visits, the held-out ones once per run: no disk); "
+                   "auto: cached while the disk under the cache folder has room for all "
+                   "the dataset's states with a margin to spare, else online "
+                   "(default: %(default)s)")
     p.add_argument("--save-every", type=int, default=d.save_every,
                    help="write last.pt (what --resume continues from) every this many steps; "
                    "it is also written at the end; 0: only at the end (default: %(default)s)")

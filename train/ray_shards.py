@@ -1,61 +1,15 @@
-"""Run one function over shards of a work list on Ray workers.
+"""Ray for the work that is parallel over prompts (data generation).
 
-Data generation and target-state extraction are embarrassingly parallel over
-prompts. Both go through `map_shards`: a local Ray instance by default (one
-worker fits this 2-core machine), or an existing cluster given its address
-(`--ray-address`), where the same code spreads the shards over the nodes. Each
-shard is one Ray task, so a model is loaded once per shard, not per item.
+A local Ray instance by default (one worker fits this 2-core machine), or an
+existing cluster given its address (`--ray-address`), where the same code spreads
+the shards over the nodes.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
-
-from tqdm import tqdm
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-def split_even(items: Sequence[T], shards: int) -> list[list[T]]:
-    """`shards` contiguous, near-equal, non-empty slices of `items` (order kept)."""
-    shards = max(1, min(shards, len(items)))
-    size, extra = divmod(len(items), shards)
-    out, start = [], 0
-    for i in range(shards):
-        end = start + size + (i < extra)
-        out.append(list(items[start:end]))
-        start = end
-    return out
-
-
-def map_shards(fn: Callable[..., list[R]], items: Sequence[T], *, workers: int,
-               cpus_per_worker: int, address: str | None = None, desc: str = "shards",
-               **kwargs: Any) -> list[R]:
-    """`fn(shard, **kwargs)` on `workers` shards in Ray tasks; results concatenated in order.
-
-    `fn` must be importable by the workers (a module-level function of this
-    package). Each task may use `cpus_per_worker` cores (its OMP_NUM_THREADS).
-    """
-    import ray
-
-    if not items:
-        return []
-    with ray_session(workers, cpus_per_worker, address):
-        task = ray.remote(num_cpus=cpus_per_worker)(fn)
-        shards = split_even(items, workers)
-        refs = [task.remote(s, **kwargs) for s in shards]
-        results: dict[Any, list[R]] = {}
-        pending = list(refs)
-        with tqdm(total=len(refs), desc=desc, unit="shard") as bar:
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                results[done[0]] = ray.get(done[0])
-                bar.update(1)
-        return [r for ref in refs for r in results[ref]]
 
 
 @contextmanager

@@ -55,9 +55,9 @@ class Sequence:
 
     tokens: torch.Tensor  # [T]
     response_start: int
-    aux: torch.Tensor | None  # [T, n_layers * H] bf16; None until computed (online states)
+    aux: torch.Tensor | None  # [T, n_layers * H] bf16; None until the recipe's feed gives it
     category: str = ""  # the prompt's category (chat, code, ...), where the data has one
-    final: torch.Tensor | None = None  # [T, H] bf16: the target's last normed state (--distill)
+    row: int = -1  # its row in the dataset, where the state cache keeps its states
 
 
 @dataclass

@@ -39,3 +39,9 @@ def target_lm_head(target: str | Path) -> torch.Tensor:
     cfg = json.loads((folder / "config.json").read_text())
     return target_embedding(folder) if cfg.get("tie_word_embeddings") else _read(
         folder, "lm_head.weight")
+
+
+def target_final_norm(target: str | Path) -> torch.Tensor:
+    """The target's final RMSNorm weight [H], float32: a fresh drafter's own final norm
+    starts from it, so its logits over the shared LM head start at the target's scale."""
+    return _read(Path(target), "model.norm.weight")
