@@ -10,6 +10,8 @@ from setuptools import setup
 # package on PyPI that transformers imports. `python -m train` still works inside the
 # repository (its __main__ only launches `vllm_carryover.train.main`).
 TOOL_FOLDERS = ("kernels", "train", "benchmarks")
+# The plugin's own parts, by role (vllm_carryover/<part>/).
+PARTS = ("patches", "drafter", "lookups", "control", "tools")
 
 setup(
     name="vllm-carryover",
@@ -18,7 +20,8 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["vllm_carryover", *(f"vllm_carryover.{folder}" for folder in TOOL_FOLDERS)],
+    packages=["vllm_carryover", *(f"vllm_carryover.{part}" for part in PARTS),
+              *(f"vllm_carryover.{folder}" for folder in TOOL_FOLDERS)],
     package_dir={f"vllm_carryover.{folder}": folder for folder in TOOL_FOLDERS},
     include_package_data=True,
     install_requires=[
@@ -45,8 +48,8 @@ setup(
     entry_points={
         "vllm.general_plugins": ["carryover = vllm_carryover:register"],
         "console_scripts": [
-            "vllm-carryover = vllm_carryover.console:main",
-            "vllm-carryover-init-drafter = vllm_carryover.init_drafter:main",
+            "vllm-carryover = vllm_carryover.tools.console:main",
+            "vllm-carryover-init-drafter = vllm_carryover.drafter.init_drafter:main",
         ],
     },
 )

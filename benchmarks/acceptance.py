@@ -3,7 +3,7 @@
 Every row (no speculation, vLLM's n-gram, vLLM's suffix decoding with its defaults,
 vLLM's in-tree DFlash on the baseline drafter, the carryover drafter with carryover
 off, and on) runs offline in its own fresh vLLM engine process over the same held-out
-prompts, greedy, one category after another (`vllm_carryover.acceptance_eval` does the
+prompts, greedy, one category after another (`vllm_carryover.tools.acceptance_eval` does the
 running). From vLLM's own spec-decode counters, per row and category:
 
   tau                      1 + accepted / drafts (tokens per verify step, bonus included)
@@ -33,10 +33,10 @@ from vllm_carryover.benchmarks.report import (
 )
 from vllm_carryover.train.prompts import CATEGORIES
 
-from vllm_carryover.acceptance_eval import EvalSettings, run_eval
-from vllm_carryover.rows import Row, parse_ratio, parse_row
-from vllm_carryover.run_settings import REPO, SHIPPED_DRAFTERS, resolve_target
-from vllm_carryover.tau import mean_tau, tau_table
+from vllm_carryover.tools.acceptance_eval import EvalSettings, run_eval
+from vllm_carryover.tools.rows import Row, parse_ratio, parse_row
+from vllm_carryover.tools.run_settings import REPO, SHIPPED_DRAFTERS, resolve_target
+from vllm_carryover.tools.tau import mean_tau, tau_table
 
 SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 

@@ -9,7 +9,7 @@ from typing import Any
 from vllm_carryover.benchmarks.report import DTYPE_HELP, DTYPES
 from vllm_carryover.train.prompts import CATEGORIES
 
-from vllm_carryover.rows import parse_row, rows_help
+from vllm_carryover.tools.rows import parse_row, rows_help
 
 # vLLM's suffix decoding (arctic-inference; scripts/setup.sh builds it) with vLLM's
 # defaults: up to suffix_decoding_max_tree_depth = 24 tokens a step, as many as its

@@ -2,7 +2,7 @@
 
 What is timed: the proposer's whole `propose` call inside the vLLM worker (the
 drafter's context projection, its forward over the query block, sampling), via
-`VLLM_CARRYOVER_STEP_TIMES` (`vllm_carryover.step_timer`). Scheduling, the
+`VLLM_CARRYOVER_STEP_TIMES` (`vllm_carryover.control.step_timer`). Scheduling, the
 target's verify forward and IPC are left out, so the step's own cost shows.
 
 How: two real vLLM engines, each in its own process and alive the whole run, on
@@ -55,14 +55,14 @@ from vllm_carryover.benchmarks.report import (
     write_json,
 )
 
-from vllm_carryover.engine_process import EngineProcess
-from vllm_carryover.rows import Row, check_rows, parse_row
-from vllm_carryover.run_settings import (
+from vllm_carryover.control.step_timer import ENV
+from vllm_carryover.tools.engine_process import EngineProcess
+from vllm_carryover.tools.rows import Row, check_rows, parse_row
+from vllm_carryover.tools.run_settings import (
     REPO,
     SHIPPED_DRAFTERS,
     resolve_target,
 )
-from vllm_carryover.step_timer import ENV
 
 SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 

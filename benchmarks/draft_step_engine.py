@@ -7,7 +7,7 @@ speculative config and dtype; the process replies `{"event": "ready"}` once the
 engine is loaded; then each command `{"prompts": [token ids, ...], "max_tokens":
 N}` is generated greedily (`ignore_eos`, all at once) and answered with
 `{"event": "done", ...}` holding the step records the worker wrote meanwhile
-(`vllm_carryover.step_timer`).
+(`vllm_carryover.control.step_timer`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 import time
 
-from vllm_carryover.engine_process import child_commands, child_start
-from vllm_carryover.run_settings import KV_CACHE_BYTES, serve_max_model_len
-from vllm_carryover.step_timer import ENV, read_steps
+from vllm_carryover.control.step_timer import ENV, read_steps
+from vllm_carryover.tools.engine_process import child_commands, child_start
+from vllm_carryover.tools.run_settings import KV_CACHE_BYTES, serve_max_model_len
 
 
 def main() -> None:

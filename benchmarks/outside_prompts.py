@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_carryover.testbed import cache_root
+from vllm_carryover.tools.testbed import cache_root
 
 CODE_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
 

@@ -14,8 +14,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from vllm_carryover.run_settings import command_line
-from vllm_carryover.testbed import cache_root
+from vllm_carryover.tools.run_settings import command_line
+from vllm_carryover.tools.testbed import cache_root
 
 
 def default_out_dir(benchmark: str) -> Path:

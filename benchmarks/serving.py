@@ -62,8 +62,8 @@ from vllm_carryover.benchmarks.report import (
 )
 from vllm_carryover.train.prompts import CATEGORIES
 
-from vllm_carryover.rows import Row, check_rows, parse_row
-from vllm_carryover.run_settings import (
+from vllm_carryover.tools.rows import Row, check_rows, parse_row
+from vllm_carryover.tools.run_settings import (
     REPO,
     SHIPPED_DRAFTERS,
     SHIPPED_LOOKUPS,
@@ -72,11 +72,11 @@ from vllm_carryover.run_settings import (
     serve_max_model_len,
     serving_env,
 )
-from vllm_carryover.server_process import VllmServer
+from vllm_carryover.tools.server_process import VllmServer
 
 SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 
-# K per step by measured goodput (vllm_carryover/goodput_k.py), 0 included.
+# K per step by measured goodput (vllm_carryover/control/goodput_k.py), 0 included.
 GOODPUT = {"method": "carryover", "model": str(SMOLLM2 / "carryover"),
            "num_speculative_tokens_per_batch_size": "goodput"}
 # ... with the shipped lookups beside the drafter

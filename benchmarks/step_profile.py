@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_carryover.run_settings import KV_CACHE_BYTES
+from vllm_carryover.tools.run_settings import KV_CACHE_BYTES
 
 PARTS = ("engine step", "scheduler", "target forward", "sampling", "drafter propose",
          "lookups", "context proj.", "drafter fwd", "LM head")
@@ -108,7 +108,7 @@ def main() -> None:
 
     import vllm_carryover.proposer
     from vllm_carryover.dtype import resolve_dtype
-    from vllm_carryover.run_settings import SHIPPED_DRAFTERS, SHIPPED_LOOKUPS, resolve_target
+    from vllm_carryover.tools.run_settings import SHIPPED_DRAFTERS, SHIPPED_LOOKUPS, resolve_target
 
     target = resolve_target(None)
     drafter = a.drafter or str(SHIPPED_DRAFTERS / "carryover")

@@ -2,7 +2,7 @@
 
 Carryover keeps no separate slot tensor. A request's KV blocks hold, in order,
 the committed context, the carried-over (rejected) states and then the query
-block itself, and `seq_lens` covers all three (see `vllm_carryover.carryover_slot`).
+block itself, and `seq_lens` covers all three (see `vllm_carryover.slot`).
 One softmax over keys `[0, seq_len)` is therefore the attention over context +
 slot + block that the method asks for; an empty slot is just a shorter sequence.
 

@@ -125,7 +125,7 @@ def attention_launches(
     values the defaults are the fastest of 12 tried on an H100 at 32 requests x 2048
     keys (`benchmarks/kernels_gpu.py --tune`: BLOCK_N 128, 4 warps, 3 stages); larger
     ones keep the untuned BLOCK_N 64 and 8 warps. All compile for sm_90 in bfloat16
-    without register spills (tests/kernel_compile.py). `tiles` overrides BLOCK_N,
+    without register spills (tests/support/kernel_compile.py). `tiles` overrides BLOCK_N,
     num_warps or num_stages (for tuning).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]

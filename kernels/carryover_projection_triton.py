@@ -294,7 +294,7 @@ def projection_launches(
 
     The fused GEMM's default tiles (BLOCK_M up to 64, BLOCK_K 64, 4 warps, 3 stages) were
     the fastest of 16 tried at batch 32 on an H100 (`benchmarks/kernels_gpu.py --tune`)
-    and compile without register spills for sm_90 (tests/kernel_compile.py); `tiles`
+    and compile without register spills for sm_90 (tests/support/kernel_compile.py); `tiles`
     overrides them (for tuning).
     """
     n, hidden = states.shape

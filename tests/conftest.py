@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_carryover.run_settings import CPU_BINDING_VARS
+from vllm_carryover.tools.run_settings import CPU_BINDING_VARS
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -51,7 +51,7 @@ def worker_cores() -> list[int] | None:
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """SmolLM2-135M-Instruct as a local HF folder (30 layers, hidden 576)."""
-    from vllm_carryover.testbed import smollm2_path
+    from vllm_carryover.tools.testbed import smollm2_path
 
     return smollm2_path()
 
@@ -62,7 +62,7 @@ def random_drafter(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
     Shared by the session: copy it before changing it.
     """
-    from vllm_carryover.init_drafter import init_drafter
+    from vllm_carryover.drafter.init_drafter import init_drafter
 
     out = tmp_path_factory.mktemp("random_drafter")
     return init_drafter(smollm2, out, num_layers=1, block_size=8, seed=0)
@@ -74,9 +74,9 @@ def stub_drafter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tests of the checkpoint format that need no real target. Copy it to change it."""
     import json
 
-    from checkpoint_layouts import TARGET_STUB
+    from support.checkpoint_layouts import TARGET_STUB
 
-    from vllm_carryover.init_drafter import init_drafter
+    from vllm_carryover.drafter.init_drafter import init_drafter
 
     target = tmp_path_factory.mktemp("target_stub")
     (target / "config.json").write_text(json.dumps(TARGET_STUB))

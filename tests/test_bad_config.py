@@ -31,15 +31,15 @@ from typing import Any
 
 import psutil
 import pytest
-from checkpoint_layouts import TARGET_STUB, shard_drafter
+from support.checkpoint_layouts import TARGET_STUB, shard_drafter
 
-from vllm_carryover import vllm_patches
-from vllm_carryover.config_error import CarryoverConfigError
-from vllm_carryover.drafter_format import REJECTED_EMBEDDING, WEIGHTS_FILE, WEIGHTS_INDEX
-from vllm_carryover.init_drafter import init_drafter
-from vllm_carryover.run_settings import KV_CACHE_BYTES
-from vllm_carryover.server_process import VllmServer
-from vllm_carryover.speculative_config import translate
+from vllm_carryover.config import translate
+from vllm_carryover.drafter.format import REJECTED_EMBEDDING, WEIGHTS_FILE, WEIGHTS_INDEX
+from vllm_carryover.drafter.init_drafter import init_drafter
+from vllm_carryover.errors import CarryoverConfigError
+from vllm_carryover.patches import user_experience
+from vllm_carryover.tools.run_settings import KV_CACHE_BYTES
+from vllm_carryover.tools.server_process import VllmServer
 
 
 def carryover(drafter: Path, **extra: Any) -> dict[str, Any]:
@@ -91,7 +91,7 @@ def rebuild_for_hidden_size_128(drafter: Path) -> None:
 
 
 def add_markov_head(drafter: Path, rank: int = 4) -> None:
-    from vllm_carryover.markov_head import fresh_markov_state
+    from vllm_carryover.drafter.markov_head import fresh_markov_state
 
     edit_weights(drafter, lambda state: state.update(fresh_markov_state(49152, rank)))
 
@@ -101,8 +101,8 @@ def add_draft_vocab(ids: list[int], d2t_dtype: str = "int64", size_in_config: bo
     """A draft vocabulary over target ids `ids` (as given: possibly out of order)."""
     import torch
 
-    from vllm_carryover.draft_vocab import to_offsets
-    from vllm_carryover.drafter_format import D2T, LM_HEAD
+    from vllm_carryover.drafter.format import D2T, LM_HEAD
+    from vllm_carryover.drafter.vocab import to_offsets
 
     def add(drafter: Path) -> None:
         edit_weights(drafter, lambda state: state.update({
@@ -376,7 +376,7 @@ def test_engine_config_refuses_what_the_validator_refuses(smollm2, random_drafte
 
 def test_drafter_shorter_than_the_serving_length_is_warned_about_at_startup(
         smollm2, random_drafter, tmp_path, monkeypatch):
-    from vllm_carryover import speculative_config as sc
+    from vllm_carryover import config as sc
 
     short = Path(shutil.copytree(random_drafter, tmp_path / "short"))
     cfg = json.loads((short / "config.json").read_text())
@@ -404,7 +404,7 @@ def cli_process(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
 
 
 def test_cli_hook_turns_carryover_error_into_one_line_and_exit_2(cli_process, capsys):
-    vllm_patches._install_cli_excepthook()
+    user_experience._install_cli_excepthook()
     with pytest.raises(SystemExit) as info:
         sys.excepthook(CarryoverConfigError, CarryoverConfigError("bad\ndrafter"), None)
     assert info.value.code == 2
@@ -413,7 +413,7 @@ def test_cli_hook_turns_carryover_error_into_one_line_and_exit_2(cli_process, ca
 
 
 def test_cli_hook_leaves_other_exceptions_to_the_previous_hook(cli_process, capsys):
-    vllm_patches._install_cli_excepthook()
+    user_experience._install_cli_excepthook()
     error = RuntimeError("not ours")
     sys.excepthook(RuntimeError, error, None)
     assert cli_process == [(RuntimeError, error, None)]
@@ -423,7 +423,7 @@ def test_cli_hook_leaves_other_exceptions_to_the_previous_hook(cli_process, caps
 def test_cli_hook_is_not_installed_for_library_users(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["/usr/bin/python", "my_script.py"])
     hook = sys.excepthook
-    vllm_patches._install_cli_excepthook()
+    user_experience._install_cli_excepthook()
     assert sys.excepthook is hook
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from vllm_carryover.server_process import VllmServer
+from vllm_carryover.tools.server_process import VllmServer
 
 STARTUP_TIMEOUT_S = 300
 MAX_MODEL_LEN = 1024

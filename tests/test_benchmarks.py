@@ -16,7 +16,7 @@ import psutil
 import pytest
 from vllm_carryover.benchmarks.main import main as benchmarks_main
 
-from vllm_carryover.run_settings import (
+from vllm_carryover.tools.run_settings import (
     CPU_BINDING_VARS,
     NUMBA_LAYER_VAR,
     SHIPPED_DRAFTERS,
@@ -222,7 +222,7 @@ def test_every_run_gets_prompts_no_server_saw_and_every_row_the_same(
     of its own, so no server gets a prompt twice, and all rows get the same slices."""
     from vllm_carryover.benchmarks import serving
 
-    from vllm_carryover.rows import parse_row
+    from vllm_carryover.tools.rows import parse_row
 
     sent: dict[str, list[str]] = {}  # server -> prompts, in the order sent
     runs: dict[str, list[tuple[str, int]]] = {}  # server -> (prompt file, concurrency)
@@ -313,7 +313,7 @@ def test_the_default_full_run_fits_the_outside_prompt_set() -> None:
 def test_suffix_decoding_is_a_default_row_with_vllms_own_length() -> None:
     from vllm_carryover.benchmarks import acceptance, serving
 
-    from vllm_carryover.rows import check_rows, parse_row
+    from vllm_carryover.tools.rows import check_rows, parse_row
 
     for rows in (serving.DEFAULT_ROWS, acceptance.DEFAULT_ROWS):
         suffix = [parse_row(r) for r in rows if r.startswith("suffix=")]

@@ -13,12 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from checkpoint_layouts import TARGET_STUB
+from support.checkpoint_layouts import TARGET_STUB
 
-from vllm_carryover import speculative_config
-from vllm_carryover.checkpoint import load_drafter_state, save_drafter
-from vllm_carryover.drafter_format import REJECTED_EMBEDDING
-from vllm_carryover.speculative_config import translate
+from vllm_carryover import config as speculative_config
+from vllm_carryover.config import translate
+from vllm_carryover.drafter.checkpoint import load_drafter_state, save_drafter
+from vllm_carryover.drafter.format import REJECTED_EMBEDDING
 
 TARGET = SimpleNamespace(**TARGET_STUB)
 

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_runner import run_engine
-from tiny_models import make_tiny_drafter, make_tiny_target, torch_drafter_for
+from support.engine_runner import run_engine
+from support.tiny_models import make_tiny_drafter, make_tiny_target, torch_drafter_for
 from torch.nn import functional as F
 
 from vllm_carryover.draft_trace import ENV, load_rounds
-from vllm_carryover.init_drafter import init_drafter
-from vllm_carryover.markov_head import MarkovHead, draft_left_to_right
-from vllm_carryover.torch_drafter import TorchDrafter
+from vllm_carryover.drafter.init_drafter import init_drafter
+from vllm_carryover.drafter.markov_head import MarkovHead, draft_left_to_right
+from vllm_carryover.drafter.torch_model import TorchDrafter
 
 K = 4
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_carryover.carryover_slot import (
+from vllm_carryover.slot import (
     attended_keys,
     carried_drafts,
     draft_positions,
@@ -77,8 +77,8 @@ def test_startup_refuses_a_vllm_that_reserves_too_few_kv_slots(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.config import VllmConfig
 
-    from vllm_carryover.config_error import CarryoverConfigError
-    from vllm_carryover.vllm_patches import check_kv_lookahead
+    from vllm_carryover.errors import CarryoverConfigError
+    from vllm_carryover.patches.integration import check_kv_lookahead
 
     # the worst case (nothing accepted) stores the block's last token K + 1 slots past
     # the verified rows n..n+K

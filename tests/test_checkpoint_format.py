@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import LlamaConfig, Qwen3Config
 
-from vllm_carryover.drafter_format import DrafterConfig, make_config_dict
+from vllm_carryover.drafter.format import DrafterConfig, make_config_dict
 
 
 def minimal_drafter_config() -> dict:

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from vllm_carryover.train.draft_verify_draft import block_logits_over, context_kv
 
-from vllm_carryover.drafter_format import DrafterConfig, make_config_dict
-from vllm_carryover.torch_drafter import TorchDrafter
+from vllm_carryover.drafter.format import DrafterConfig, make_config_dict
+from vllm_carryover.drafter.torch_model import TorchDrafter
 
 VOCAB, HIDDEN, BLOCK = 24, 64, 4
 TARGET = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN,

@@ -11,7 +11,7 @@ import torch
 from vllm_carryover.train.dflash_loss import IGNORE
 from vllm_carryover.train.lookup_headroom import NO_DRAFT, anchored_drafts, response_labels
 
-from vllm_carryover.corpus_lookup import KEY_MASK, KEY_MUL, CorpusTable, context_keys
+from vllm_carryover.lookups.corpus import KEY_MASK, KEY_MUL, CorpusTable, context_keys
 
 TEXTS = [([9, 1], [2, 3, 4]), ([9, 1], [2, 3, 4]), ([7, 1], [2, 3, 5]),
          ([6], [8, 0]), ([6], [8, 1]), ([5], [6, 7]), ([5], [6, 7]), ([5], [6, 1]),

@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_carryover.checkpoint import load_drafter_state, save_drafter
-from vllm_carryover.draft_vocab import (
+from vllm_carryover.drafter.checkpoint import load_drafter_state, save_drafter
+from vllm_carryover.drafter.format import D2T, LM_HEAD, DrafterConfig, random_state_dict
+from vllm_carryover.drafter.torch_model import TorchDrafter
+from vllm_carryover.drafter.vocab import (
     coverage,
     expand_logits,
     from_offsets,
@@ -18,8 +20,6 @@ from vllm_carryover.draft_vocab import (
     token_counts,
     with_draft_vocab,
 )
-from vllm_carryover.drafter_format import D2T, LM_HEAD, DrafterConfig, random_state_dict
-from vllm_carryover.torch_drafter import TorchDrafter
 
 VOCAB, HIDDEN = 100, 64
 CONFIG = DrafterConfig(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=1,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_carryover.drafter_gate import (
+from vllm_carryover.control.drafter_gate import (
     DRAFTER,
     LOOKUPS_ALONE,
     MIN_CYCLES,

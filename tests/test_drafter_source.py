@@ -12,13 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from checkpoint_layouts import TARGET_STUB, hub_cache_layout, shard_drafter
+from support.checkpoint_layouts import TARGET_STUB, hub_cache_layout, shard_drafter
 
-from vllm_carryover.acceptance_eval import weights_sha256
-from vllm_carryover.checkpoint import has_rejected_embedding, load_drafter_state
-from vllm_carryover.config_error import CarryoverConfigError
-from vllm_carryover.drafter_source import is_hub_id, resolve_drafter
-from vllm_carryover.speculative_config import translate
+from vllm_carryover.config import translate
+from vllm_carryover.drafter.checkpoint import has_rejected_embedding, load_drafter_state
+from vllm_carryover.drafter.source import is_hub_id, resolve_drafter
+from vllm_carryover.errors import CarryoverConfigError
+from vllm_carryover.tools.acceptance_eval import weights_sha256
 
 REPO = "carryover-tests/stub-drafter"
 

@@ -10,24 +10,24 @@ from pathlib import Path
 import psutil
 import pytest
 
-from vllm_carryover.engine_process import EngineProcess
+from vllm_carryover.tools.engine_process import EngineProcess
 
 ECHO = """
-from vllm_carryover.engine_process import child_commands, child_start
+from vllm_carryover.tools.engine_process import child_commands, child_start
 job, reply = child_start()
 reply({"event": "ready", "job": job})
 for command in child_commands():
     reply({"event": "done", "twice": 2 * command["x"]})
 """
 CRASH = """
-from vllm_carryover.engine_process import child_start
+from vllm_carryover.tools.engine_process import child_start
 child_start()
 print("engine failed to load: out of memory", flush=True)
 raise SystemExit(3)
 """
 SILENT_WITH_GRANDCHILD = """
 import subprocess, sys, time
-from vllm_carryover.engine_process import child_start
+from vllm_carryover.tools.engine_process import child_start
 job, reply = child_start()
 subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 time.sleep(600)

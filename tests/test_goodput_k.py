@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_carryover.goodput_k import (
+from vllm_carryover.control.goodput_k import (
     MAX_PROBE_EVERY,
     MIN_GAIN,
     MIN_WARM_UP_REQUESTS,

@@ -1,5 +1,7 @@
-"""Dependencies point one way: no package imports the tests, no import cycles, and the
-benchmarks use nothing of `train/` but its prompt sets.
+"""Dependencies point one way: no package imports the tests, no import cycles, the
+plugin's parts stack in layers (building blocks, then config, proposer and patches, then
+tools/, train/ and benchmarks/ above the plugin), and the benchmarks use nothing of
+`train/` but its prompt sets.
 
 The graph is read from the source (every `import`, at module level or inside a
 function), over the project's folders: vllm_carryover/, and kernels/, train/ and
@@ -15,8 +17,14 @@ REPO = Path(__file__).resolve().parent.parent
 PLUGIN = "vllm_carryover"
 TOOL_FOLDERS = ("kernels", "train", "benchmarks")  # setup.py's package-directory mapping
 PACKAGES = (PLUGIN, *TOOL_FOLDERS)
-TEST_MODULES = {p.stem for p in (REPO / "tests").glob("*.py")}
+TEST_MODULES = {p.stem for p in (REPO / "tests").rglob("*.py")} - {"__init__"} | {"support"}
 KERNELS, TRAIN, BENCHMARKS = (f"{PLUGIN}.{folder}" for folder in TOOL_FOLDERS)
+TOOLS = f"{PLUGIN}.tools"
+# The plugin's building blocks: what the config, the proposer and the patches are made
+# of. They import one another and nothing above them.
+BLOCKS = tuple(f"{PLUGIN}.{part}" for part in (
+    "drafter", "lookups", "control", "kernels", "slot", "slot_table", "length_limit",
+    "metrics", "draft_trace", "errors", "dtype"))
 
 
 def module_name(path: Path) -> str:
@@ -105,3 +113,30 @@ def test_the_plugin_imports_neither_train_nor_benchmarks() -> None:
     for module, imports in graph.items():
         if not (within(module, TRAIN) or within(module, BENCHMARKS)):
             assert not {i for i in imports if within(i, TRAIN) or within(i, BENCHMARKS)}, module
+
+
+def test_the_plugin_core_imports_no_tools() -> None:
+    """tools/ (demo, testbed, console, server and engine processes, the rows of `train
+    eval` and the benchmarks) sits above the plugin: vLLM's processes never load it."""
+    graph = project_graph()
+    for module, imports in graph.items():
+        if not any(within(module, top) for top in (TOOLS, TRAIN, BENCHMARKS)):
+            assert not {i for i in imports if within(i, TOOLS)}, module
+
+
+def test_the_building_blocks_import_nothing_above_them() -> None:
+    graph = project_graph()
+    blocks = [m for m in graph if any(within(m, b) for b in BLOCKS)]
+    assert blocks
+    for module in blocks:
+        above = {i for i in graph[module]
+                 if not any(within(i, b) for b in BLOCKS) and within(i, PLUGIN)}
+        assert not above, (module, above)
+
+
+def test_only_the_plugin_entry_imports_the_patches() -> None:
+    graph = project_graph()
+    patches = f"{PLUGIN}.patches"
+    for module, imports in graph.items():
+        if not within(module, patches):
+            assert not {i for i in imports if within(i, patches)} or module == PLUGIN, module

@@ -48,7 +48,7 @@ def test_the_folder_names_do_not_resolve_to_the_project_outside_the_repository(
     ["vllm-carryover", "testbed", "--help"],
     ["vllm-carryover", "demo", "--help"],
     [sys.executable, "-m", "vllm_carryover.train", "--help"],
-    [sys.executable, "-m", "vllm_carryover.init_drafter", "--help"],
+    [sys.executable, "-m", "vllm_carryover.drafter.init_drafter", "--help"],
 ], ids=" ".join)
 def test_every_entry_point_works_outside_the_repository(cmd: list[str], tmp_path: Path) -> None:
     """(`python -m vllm_carryover.benchmarks` is the same __main__ as `bench`, and slow to
@@ -92,5 +92,5 @@ def test_a_wheel_of_the_tree_installs_only_the_vllm_carryover_package(tmp_path: 
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {n.split("/")[0] for n in names}
     assert {t for t in top_level if not t.endswith(".dist-info")} == {"vllm_carryover"}
-    for module in ("kernels/__init__", "train/__main__", "benchmarks/__main__", "console"):
+    for module in ("kernels/__init__", "train/__main__", "benchmarks/__main__", "tools/console"):
         assert f"vllm_carryover/{module}.py" in names

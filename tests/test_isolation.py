@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_runner import run_engine
-from tiny_models import make_tiny_drafter, make_tiny_target
+from support.engine_runner import run_engine
+from support.tiny_models import make_tiny_drafter, make_tiny_target
 
 from vllm_carryover.draft_trace import ENV as TRACE_ENV
 from vllm_carryover.draft_trace import load_rounds

@@ -42,14 +42,14 @@ def variants(rows, weights) -> set[tuple]:
 
 
 def test_warm_up_row_counts_reach_every_compiled_projection_variant(weights):
-    from vllm_carryover.vllm_drafter import WARMUP_ROWS
+    from vllm_carryover.drafter.vllm_model import WARMUP_ROWS
 
     assert variants(WARMUP_ROWS, weights) == variants(range(1, 1025), weights)
 
 
 def test_warm_up_projects_every_row_count_with_and_without_rejected_rows(
         weights, monkeypatch: pytest.MonkeyPatch):
-    from vllm_carryover import vllm_drafter
+    from vllm_carryover.drafter import vllm_model as vllm_drafter
 
     calls = []
     monkeypatch.setattr(vllm_drafter, "project_context_kv",

@@ -1,6 +1,6 @@
 """The Triton kernels equal their PyTorch references; the references mean what carryover needs.
 
-The Triton checks run `kernel_sweep.py` and the GPU benchmark's `--smoke` in
+The Triton checks run `support/kernel_sweep.py` and the GPU benchmark's `--smoke` in
 fresh processes with `TRITON_INTERPRET=1`: Triton decides to interpret a kernel
 when the kernel's module is imported, which an earlier import in this process
 could have done without the variable.
@@ -35,7 +35,7 @@ def run_interpreted(*command: str, timeout: int = 300) -> subprocess.CompletedPr
 @pytest.mark.parametrize("kind", ["projection", "attention"])
 def test_triton_kernel_equals_reference_over_seeded_random_shapes(kind: str) -> None:
     """Batch 1..64, 0..K rejected rows, head dims 64/128, GQA 1..8, pages 4..16, fp32/fp16."""
-    proc = run_interpreted(str(TESTS / "kernel_sweep.py"), kind)
+    proc = run_interpreted(str(TESTS / "support" / "kernel_sweep.py"), kind)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 of" in proc.stdout.splitlines()[-1]
 
@@ -43,7 +43,7 @@ def test_triton_kernel_equals_reference_over_seeded_random_shapes(kind: str) -> 
 def test_triton_kernels_compile_for_hopper_in_bfloat16_without_register_spills() -> None:
     """Compiled (not interpreted) for sm_90 with Triton's bundled ptxas; no GPU needed."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(TESTS / "kernel_compile.py")], env=env,
+    proc = subprocess.run([sys.executable, str(TESTS / "support" / "kernel_compile.py")], env=env,
                           capture_output=True, text=True, timeout=300, cwd=TESTS.parent)
     if proc.returncode == 3:
         pytest.skip(proc.stdout.strip())

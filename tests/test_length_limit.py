@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from engine_runner import run_engine
-from vllm_carryover.benchmarks.chat_prompts import QUESTIONS
+from support.chat_prompts import QUESTIONS
+from support.engine_runner import run_engine
 
 from vllm_carryover.draft_trace import ENV, load_rounds
 from vllm_carryover.length_limit import PAD_SLOT, LengthLimit, row_mask

@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from checkpoint_layouts import hub_cache_layout, shard_drafter
-from engine_runner import run_engine
-from vllm_carryover.benchmarks.chat_prompts import QUESTIONS
+from support.chat_prompts import QUESTIONS
+from support.checkpoint_layouts import hub_cache_layout, shard_drafter
+from support.engine_runner import run_engine
 
 from vllm_carryover.dtype import cpu_has_native_bf16
 
@@ -109,9 +109,9 @@ def test_float32_draft_vocabulary_drafter_is_token_identical_with_accepted_draft
     rejected and carried, yet verification keeps the output the target's."""
     import torch
 
-    from vllm_carryover.checkpoint import load_drafter_state, save_drafter
-    from vllm_carryover.draft_vocab import token_counts, with_draft_vocab
-    from vllm_carryover.target_weights import target_lm_head
+    from vllm_carryover.drafter.checkpoint import load_drafter_state, save_drafter
+    from vllm_carryover.drafter.target_weights import target_lm_head
+    from vllm_carryover.drafter.vocab import token_counts, with_draft_vocab
 
     head = target_lm_head(smollm2)
     counts = token_counts(reference_fp32["token_ids"], head.shape[0])
@@ -209,7 +209,7 @@ def test_corpus_lookup_drafts_the_targets_usual_phrases_and_stays_identical(
     confident) to half of the prompts: those requests draft their whole answers, the
     others only phrases they share, which are often rejected; or to all of them: then
     whole steps draft lookup tokens alone, and skip the drafter's forward."""
-    from vllm_carryover.corpus_lookup import CORPUS_FILE, CorpusTable
+    from vllm_carryover.lookups.corpus import CORPUS_FILE, CorpusTable
 
     drafter = tmp_path / "drafter"
     drafter.mkdir()

@@ -13,7 +13,7 @@ import os
 import pytest
 from test_bad_config import carryover, engine_config
 
-from vllm_carryover.run_settings import model_runner
+from vllm_carryover.tools.run_settings import model_runner
 
 CARRYOVER_UNSUPPORTED = "speculative method 'carryover'"
 

@@ -6,19 +6,20 @@ from typing import Any
 
 import pytest
 import torch
-from cpu_kernels import register_cpu_kernels
+from support.cpu_kernels import register_cpu_kernels
+from support.rejection_step import verify_step
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.spec_decode.dflash import DFlashProposer
-from vllm_carryover.benchmarks.rejection_sampler import verify_step
 
 import vllm_carryover
-from vllm_carryover import vllm_patches
+from vllm_carryover import patches
+from vllm_carryover.patches import cpu_fixes
 
 
 def test_other_vllm_versions_are_refused_with_the_supported_one_named():
     with pytest.raises(RuntimeError, match=r"written for vLLM 0\.32\.x.*found vLLM 0\.33\.1"):
-        vllm_patches.check_vllm_version("0.33.1")
-    vllm_patches.check_vllm_version("0.32.0")
+        patches.check_vllm_version("0.33.1")
+    patches.check_vllm_version("0.32.0")
 
 
 def test_register_is_idempotent():
@@ -74,7 +75,7 @@ def test_cpu_rejection_sampling_leaves_edited_logits_to_vllm():
 
     register_cpu_kernels()
     seen: list[Any] = []
-    fast = vllm_patches.fast_rejection_forward(lambda self, *a: seen.append(a[3]) or "vllm's own")
+    fast = cpu_fixes.fast_rejection_forward(lambda self, *a: seen.append(a[3]) or "vllm's own")
     sampler = RejectionSampler(Sampler())
     bias = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
     idle = _step_args([3, 3], 0.0, 0, logitsprocs=LogitsProcessors([bias]))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from vllm_carryover.kernels import project_context_kv_reference
 
-from vllm_carryover.drafter_format import DrafterConfig, make_config_dict, random_state_dict
-from vllm_carryover.torch_drafter import TorchDrafter
+from vllm_carryover.drafter.format import DrafterConfig, make_config_dict, random_state_dict
+from vllm_carryover.drafter.torch_model import TorchDrafter
 
 TARGET = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,

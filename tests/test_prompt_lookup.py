@@ -1,11 +1,11 @@
-"""Prompt lookup beside the drafter (`vllm_carryover.prompt_lookup`), without an engine."""
+"""Prompt lookup beside the drafter (`vllm_carryover.lookups.prompt`), without an engine."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from vllm_carryover.prompt_lookup import (
+from vllm_carryover.lookups.prompt import (
     PromptLookup,
     draft_lengths,
     drafter_rows_kept,

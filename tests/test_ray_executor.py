@@ -33,9 +33,9 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from engine_runner import run_engine
+from support.engine_runner import run_engine
 
-from vllm_carryover.server_process import VllmServer
+from vllm_carryover.tools.server_process import VllmServer
 
 NUM_SPECULATIVE_TOKENS = 4
 MAX_TOKENS = 16

@@ -26,15 +26,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cpu_kernels import register_cpu_kernels
-from engine_runner import run_engine
 from safetensors.torch import load_file, save_file
-from tiny_models import make_tiny_target
+from support.cpu_kernels import register_cpu_kernels
+from support.engine_runner import run_engine
+from support.tiny_models import make_tiny_target
 
-from vllm_carryover.checkpoint import load_drafter_state, save_drafter
-from vllm_carryover.corpus_lookup import CORPUS_FILE, CorpusTable
-from vllm_carryover.init_drafter import init_drafter
-from vllm_carryover.markov_head import MARKOV_W1, MARKOV_W2
+from vllm_carryover.drafter.checkpoint import load_drafter_state, save_drafter
+from vllm_carryover.drafter.init_drafter import init_drafter
+from vllm_carryover.drafter.markov_head import MARKOV_W1, MARKOV_W2
+from vllm_carryover.lookups.corpus import CORPUS_FILE, CorpusTable
 
 K = 3
 VOCAB = 64
@@ -120,8 +120,8 @@ def cut_to_draft_vocab(drafter: Path, target: Path, out: Path, size: int = 40) -
     """A copy of `drafter` whose LM head covers the `size` tokens the target's prior
     favours most: the others are never drafted (probability 0), and the ones it keeps
     get the drafter's probabilities renormalised over them."""
-    from vllm_carryover.draft_vocab import with_draft_vocab
-    from vllm_carryover.target_weights import target_embedding, target_lm_head
+    from vllm_carryover.drafter.target_weights import target_embedding, target_lm_head
+    from vllm_carryover.drafter.vocab import with_draft_vocab
 
     head = target_lm_head(target)
     prior = head @ target_embedding(target).mean(0)  # every state leans along the shared direction

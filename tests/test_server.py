@@ -21,7 +21,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_carryover.server_process import VllmServer
+from vllm_carryover.tools.server_process import VllmServer
 
 NUM_SPECULATIVE_TOKENS = 4
 STARTUP_TIMEOUT_S = 240

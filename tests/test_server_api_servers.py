@@ -24,7 +24,7 @@ from test_server import (
     scrape_until,
 )
 
-from vllm_carryover.server_process import VllmServer
+from vllm_carryover.tools.server_process import VllmServer
 
 REQUESTS = 4
 

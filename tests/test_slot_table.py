@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from vllm_carryover.carryover_slot import plan_slots, shift_query_slots
+from vllm_carryover.slot import plan_slots, shift_query_slots
 from vllm_carryover.slot_table import RequestSlot, SlotOwnershipError, SlotTable, round_slots
 
 NULL_BLOCK = 0  # vLLM reserves block 0; block tables are padded with it

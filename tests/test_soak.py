@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import psutil
 import pytest
-from engine_runner import run_engine
-from vllm_carryover.benchmarks.soak_workload import (
+from support.engine_runner import run_engine
+from support.soak_workload import (
     KV_CACHE_BYTES,
     MAX_MODEL_LEN,
     MAX_TOKENS,
@@ -29,16 +29,17 @@ from vllm_carryover.benchmarks.soak_workload import (
     make_requests,
 )
 
-from vllm_carryover.server_process import VllmServer
 from vllm_carryover.slot_table import ENV_CHECK
+from vllm_carryover.tools.server_process import VllmServer
 
 NUM_REQUESTS = 64
 WARMUP_REQUESTS = 96
 NUM_SPECULATIVE_TOKENS = 7
 # vLLM's CPU engine itself grows by ~1 MB per request while it meets new prompt
 # shapes, with carryover on and off alike, and stays flat when shapes repeat
-# (`python -m benchmarks.memory_offline`; docs/reference.md, Reliability). The warm-up runs the
-# soak's own mix; the bound leaves room for that engine growth over the soak.
+# (the `benchmarks.memory_offline` probe, in git history; docs/reference.md,
+# Reliability). The warm-up runs the soak's own mix; the bound leaves room for that
+# engine growth over the soak.
 MEMORY_DRIFT = 0.10
 
 

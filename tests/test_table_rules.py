@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.tiny_models import make_tiny_target
 from test_train_lookup_headroom import walk_heldout
-from tiny_models import make_tiny_target
 from vllm_carryover.train.data import write_dataset
 from vllm_carryover.train.dflash_loss import WalkStats
 from vllm_carryover.train.lookup_headroom import (

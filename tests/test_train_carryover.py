@@ -29,12 +29,12 @@ from vllm_carryover.train.draft_verify_draft import (
 from vllm_carryover.train.target_states import aux_states, truncated_decoder
 from vllm_carryover.train.vocab_subset import remap_labels, restricted_head, step_vocab
 
-from vllm_carryover.checkpoint import load_drafter_state
-from vllm_carryover.drafter_format import DrafterConfig
-from vllm_carryover.init_drafter import init_drafter
-from vllm_carryover.markov_head import MARKOV_W1, MARKOV_W2
-from vllm_carryover.target_weights import target_embedding
-from vllm_carryover.torch_drafter import TorchDrafter
+from vllm_carryover.drafter.checkpoint import load_drafter_state
+from vllm_carryover.drafter.format import DrafterConfig
+from vllm_carryover.drafter.init_drafter import init_drafter
+from vllm_carryover.drafter.markov_head import MARKOV_W1, MARKOV_W2
+from vllm_carryover.drafter.target_weights import target_embedding
+from vllm_carryover.drafter.torch_model import TorchDrafter
 
 BLOCK = 6  # K = 5
 LAYER_IDS = [0, 2]

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from support.tiny_models import make_tiny_drafter, make_tiny_target
 from test_train_loop import DATA, recipe_argv, write_tiny_dataset
-from tiny_models import make_tiny_drafter, make_tiny_target
 from vllm_carryover.train import state_cache, target_states
 from vllm_carryover.train.baseline import Sequence, sequence_feed
 from vllm_carryover.train.device import placement, resolve_device
@@ -25,7 +25,7 @@ from vllm_carryover.train.main import main
 from vllm_carryover.train.paths import run_dir
 from vllm_carryover.train.state_cache import StateCache
 
-from vllm_carryover.drafter_format import default_target_layers
+from vllm_carryover.drafter.format import default_target_layers
 from vllm_carryover.dtype import cpu_has_native_bf16, fastest_dtype
 
 LAYERS = default_target_layers(4)  # make_tiny_target has 4 layers

@@ -28,13 +28,13 @@ from typing import Any
 
 import pytest
 import torch
-from engine_runner import run_engine
-from tiny_models import make_tiny_target, write_cached_dataset
+from support.engine_runner import run_engine
+from support.tiny_models import make_tiny_target, write_cached_dataset
 from vllm_carryover.train.baseline import BaselineArgs, train_baseline
 from vllm_carryover.train.carryover import CarryoverArgs, train_carryover
 from vllm_carryover.train.paths import run_dir
 
-from vllm_carryover.checkpoint import load_drafter_state
+from vllm_carryover.drafter.checkpoint import load_drafter_state
 
 REPO = Path(__file__).resolve().parent.parent
 K = 3  # block size 4: the bonus token + 3 drafted tokens
@@ -161,7 +161,7 @@ def test_draft_vocabulary_export_keeps_its_map_through_more_training(
     """`export --draft-vocab 8` cuts the head to the 8 tokens the target wrote most in
     the run's data; a carryover run started from that folder trains within those 8
     tokens and keeps the same map."""
-    from vllm_carryover.drafter_format import D2T, LM_HEAD
+    from vllm_carryover.drafter.format import D2T, LM_HEAD
 
     folder = export_run(exported["target"], "tiny-carryover", tmp_path / "dv",
                         exported["cache"], "--draft-vocab", "8")
@@ -187,7 +187,7 @@ def test_a_new_baseline_with_a_draft_vocabulary_trains_within_it(
     """`train baseline --draft-vocab 8`: the new drafter's head is the 8 tokens the
     target wrote most (the map `export --draft-vocab 8` makes from the same data), it
     keeps that map through training, and the export serves it unchanged."""
-    from vllm_carryover.drafter_format import D2T, LM_HEAD
+    from vllm_carryover.drafter.format import D2T, LM_HEAD
 
     monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(exported["cache"]))
     threads = torch.get_num_threads()
@@ -237,10 +237,10 @@ def test_draft_vocab_command_converts_a_drafter_folder(exported: dict[str, Path]
                                                        tmp_path: Path) -> None:
     """`python -m train draft-vocab` on the baseline export (a plain DFlash folder): the
     copy has the map and the target's head rows, and stays a plain DFlash folder."""
-    from vllm_carryover.checkpoint import read_weights_header
-    from vllm_carryover.draft_vocab import from_offsets
-    from vllm_carryover.drafter_format import D2T, LM_HEAD
-    from vllm_carryover.target_weights import target_lm_head
+    from vllm_carryover.drafter.checkpoint import read_weights_header
+    from vllm_carryover.drafter.format import D2T, LM_HEAD
+    from vllm_carryover.drafter.target_weights import target_lm_head
+    from vllm_carryover.drafter.vocab import from_offsets
 
     out = tmp_path / "dv"
     cmd = [sys.executable, "-m", "train", "draft-vocab", "--drafter", str(exported["baseline"]),

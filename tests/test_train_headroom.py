@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_tiny_drafter, make_tiny_target
+from support.tiny_models import make_tiny_drafter, make_tiny_target
 from vllm_carryover.train.data import write_dataset
 from vllm_carryover.train.main import main
 from vllm_carryover.train.paths import data_dir

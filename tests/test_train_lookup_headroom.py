@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_tiny_drafter, make_tiny_target
+from support.tiny_models import make_tiny_drafter, make_tiny_target
 from vllm_carryover.train.data import write_dataset
 from vllm_carryover.train.lookup_headroom import NO_DRAFT, POLICIES, anchored_drafts
 from vllm_carryover.train.main import main
 from vllm_carryover.train.paths import data_dir
 
-from vllm_carryover.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, PromptLookup
+from vllm_carryover.lookups.prompt import DEFAULT_MAX_N, DEFAULT_MIN_N, PromptLookup
 
 VOCAB = 64
 LOOKUP = PromptLookup(DEFAULT_MIN_N, DEFAULT_MAX_N, 1 << 30).propose

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import make_tiny_drafter, make_tiny_target, write_cached_dataset
+from support.tiny_models import make_tiny_drafter, make_tiny_target, write_cached_dataset
 from vllm_carryover.train.baseline import fresh_drafter_state
 from vllm_carryover.train.dflash_loss import (
     IGNORE,
@@ -32,9 +32,9 @@ from vllm_carryover.train.paths import run_dir
 from vllm_carryover.train.target_states import stored_states
 from vllm_carryover.train.trainer import weights_digest
 
-from vllm_carryover.checkpoint import load_drafter_state
-from vllm_carryover.drafter_format import DrafterConfig
-from vllm_carryover.target_weights import target_final_norm
+from vllm_carryover.drafter.checkpoint import load_drafter_state
+from vllm_carryover.drafter.format import DrafterConfig
+from vllm_carryover.drafter.target_weights import target_final_norm
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 512  # make_tiny_target's default

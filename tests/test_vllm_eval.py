@@ -14,12 +14,12 @@ import random
 from pathlib import Path
 
 import pytest
-from tiny_models import make_tiny_drafter, make_tiny_target
+from support.tiny_models import make_tiny_drafter, make_tiny_target
 from vllm_carryover.train.data import write_dataset
 from vllm_carryover.train.paths import data_dir
 from vllm_carryover.train.vllm_eval import add_cli
 
-from vllm_carryover.rows import parse_row, speculative_config
+from vllm_carryover.tools.rows import parse_row, speculative_config
 
 K = 3
 MAX_TOKENS = 16

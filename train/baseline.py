@@ -46,16 +46,16 @@ from vllm_carryover.train.vocab_subset import (
     with_dataset_vocab,
 )
 
-from vllm_carryover.drafter_format import (
+from vllm_carryover.drafter.format import (
     REJECTED_EMBEDDING,
     DrafterConfig,
     default_target_layers,
     make_config_dict,
 )
-from vllm_carryover.drafter_format import random_state_dict as random_drafter_state
-from vllm_carryover.markov_head import fresh_markov_state
-from vllm_carryover.target_weights import target_embedding, target_final_norm
-from vllm_carryover.torch_drafter import TorchDrafter
+from vllm_carryover.drafter.format import random_state_dict as random_drafter_state
+from vllm_carryover.drafter.markov_head import fresh_markov_state
+from vllm_carryover.drafter.target_weights import target_embedding, target_final_norm
+from vllm_carryover.drafter.torch_model import TorchDrafter
 
 
 def load_sequences(data: str) -> dict[str, list[Sequence]]:

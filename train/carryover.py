@@ -44,9 +44,9 @@ from vllm_carryover.train.state_cache import dataset_cache
 from vllm_carryover.train.trainer import Feed, SeqResult, Trainer, load_init, meta_args
 from vllm_carryover.train.vocab_subset import remap_labels
 
-from vllm_carryover.drafter_format import DrafterConfig
-from vllm_carryover.target_weights import target_embedding
-from vllm_carryover.torch_drafter import TorchDrafter
+from vllm_carryover.drafter.format import DrafterConfig
+from vllm_carryover.drafter.target_weights import target_embedding
+from vllm_carryover.drafter.torch_model import TorchDrafter
 
 
 def evaluate(model: TorchDrafter, decoder: Any, seqs: list[Sequence], anchors_per_seq: int,

@@ -24,8 +24,8 @@ from vllm_carryover.train import dataset_store as store
 from vllm_carryover.train.answerer import Answerer, engine_kwargs
 from vllm_carryover.train.prompts import MAX_PROMPT_TOKENS, Prompt, prompt_token_ids
 
-from vllm_carryover.corpus_lookup import MIN_COUNT, MIN_SHARE, CorpusTable
 from vllm_carryover.dtype import resolve_dtype
+from vllm_carryover.lookups.corpus import MIN_COUNT, MIN_SHARE, CorpusTable
 
 if TYPE_CHECKING:
     import argparse
@@ -45,7 +45,7 @@ def load_samples(data: Path, split: str | None = None) -> list[dict[str, Any]]:
 def response_token_counts(folder: Path, vocab_size: int) -> Any:
     """How often the target wrote each token in the train split's responses (a draft
     vocabulary's ranking; held-out responses stay unseen)."""
-    from vllm_carryover.draft_vocab import token_counts
+    from vllm_carryover.drafter.vocab import token_counts
 
     return token_counts((r["response_ids"] for r in store.iter_samples(folder)
                          if r["split"] == "train"), vocab_size)
@@ -267,7 +267,7 @@ def run_cli(a: Any) -> None:
     from vllm_carryover.train.paths import data_dir
     from vllm_carryover.train.prompts import build_prompts, dedupe
 
-    from vllm_carryover.testbed import smollm2_path
+    from vllm_carryover.tools.testbed import smollm2_path
 
     target = a.target or str(smollm2_path())
     folder = Path(a.out) if a.out else data_dir(a.name)

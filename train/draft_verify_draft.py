@@ -14,7 +14,7 @@ T, aux target states S) and for all sampled anchors p at once:
    are the target's own greedy responses) with context states < p' plus those
    rejected states as carried-over keys (rejected embedding added).
 
-Which drafts are carried and at which positions is `carryover_slot`'s rule, the
+Which drafts are carried and at which positions is `vllm_carryover.slot`'s rule, the
 one vLLM's batch planning uses too. The recipe around this (loss, optimiser,
 checkpoints) is `train.carryover`; `train.headroom` reuses the same pieces.
 Names: `ctx_k`/`ctx_v` are key/value tensors, `num_drafts` is K.
@@ -29,8 +29,8 @@ import torch
 from vllm_carryover.train.dflash_loss import Blocks, accepted_length, make_blocks
 from vllm_carryover.train.vocab_subset import restricted_head
 
-from vllm_carryover.carryover_slot import carried_drafts, draft_positions
-from vllm_carryover.torch_drafter import TorchDrafter
+from vllm_carryover.drafter.torch_model import TorchDrafter
+from vllm_carryover.slot import carried_drafts, draft_positions
 
 
 @dataclass

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from vllm_carryover.train.vocab_subset import with_dataset_vocab
 
-from vllm_carryover.checkpoint import load_drafter_state, save_drafter
-from vllm_carryover.drafter_validation import validate_for_target_folder
+from vllm_carryover.drafter.checkpoint import load_drafter_state, save_drafter
+from vllm_carryover.drafter.validation import validate_for_target_folder
 
 
 def export(run_file: Path, out: Path, target: str, draft_vocab: int = 0) -> Path:
@@ -34,7 +34,7 @@ def convert_to_draft_vocab(drafter: str, out: Path, target: str, data: str, size
                            ) -> Path:
     """Any drafter folder (or hub id) as a copy with a draft vocabulary, in bf16; exact
     on the kept tokens, since the drafter's LM head is the target's."""
-    from vllm_carryover.drafter_source import resolve_drafter
+    from vllm_carryover.drafter.source import resolve_drafter
 
     folder = resolve_drafter(drafter)
     cfg, state = load_drafter_state(folder, fill_rejected=False)

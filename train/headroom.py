@@ -130,9 +130,9 @@ def load_drafter(target: str, init: str) -> Any:
     """A TorchDrafter (eval mode) from a drafter folder or a run name."""
     from vllm_carryover.train.carryover import load_init
 
-    from vllm_carryover.drafter_format import DrafterConfig
-    from vllm_carryover.target_weights import target_embedding
-    from vllm_carryover.torch_drafter import TorchDrafter
+    from vllm_carryover.drafter.format import DrafterConfig
+    from vllm_carryover.drafter.target_weights import target_embedding
+    from vllm_carryover.drafter.torch_model import TorchDrafter
 
     cfg, state, _ = load_init(init)
     dcfg = DrafterConfig.from_dict({k: v for k, v in cfg.items() if k != "carryover_config"})

@@ -11,7 +11,7 @@ greedy speculative run does (`WalkStats`) under these policies:
   drafter        the drafter's block at every step
   lookup         the lookup's proposal; where it has none, a step that drafts nothing
   both           the lookup's proposal where it has one, the drafter's block elsewhere
-  corpus         the corpus lookup's proposal (`vllm_carryover.corpus_lookup`: what the
+  corpus         the corpus lookup's proposal (`vllm_carryover.lookups.corpus`: what the
                  target most often wrote after the same 2-5 tokens in the train split's
                  responses), else nothing
   lookup+corpus  the prompt lookup's proposal, else the corpus lookup's, else nothing
@@ -51,8 +51,8 @@ from vllm_carryover.train.data import add_corpus_rule_options
 from vllm_carryover.train.headroom import add_drafter_options, load_drafter, print_table
 from vllm_carryover.train.table_rules import NO_DRAFT, RULES, TrigramTable, rule_drafts
 
-from vllm_carryover.corpus_lookup import MIN_COUNT, MIN_SHARE
-from vllm_carryover.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, PromptLookup, Propose
+from vllm_carryover.lookups.corpus import MIN_COUNT, MIN_SHARE
+from vllm_carryover.lookups.prompt import DEFAULT_MAX_N, DEFAULT_MIN_N, PromptLookup, Propose
 
 if TYPE_CHECKING:
     import torch

@@ -64,7 +64,7 @@ def cmd_corpus_table(a: argparse.Namespace) -> None:
     from vllm_carryover.train.data import corpus_table
     from vllm_carryover.train.paths import data_dir
 
-    from vllm_carryover.corpus_lookup import CORPUS_FILE
+    from vllm_carryover.lookups.corpus import CORPUS_FILE
 
     table = corpus_table(data_dir(a.data), min_count=a.min_count, min_share=a.min_share)
     path = Path(a.drafter) / CORPUS_FILE
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
         "the dataset's train responses (by default every context's most frequent "
         "continuation; --min-count and --min-share keep only confident ones), written to "
         "the drafter folder as corpus_table.npz. Serving with \"corpus_lookup\": true "
-        "drafts its chains (vllm_carryover/corpus_lookup.py).")
+        "drafts its chains (vllm_carryover/lookups/corpus.py).")
     t.add_argument("--drafter", required=True, help="drafter folder to write the table into")
     t.add_argument("--data", default=DEFAULT_DATA,
                    help="dataset whose train responses make the table (default: %(default)s)")

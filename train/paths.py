@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vllm_carryover.run_settings import REPO
+from vllm_carryover.tools.run_settings import REPO
 
 CHECKPOINTS = REPO / "train" / "checkpoints"
 
@@ -36,6 +36,6 @@ DEFAULT_DATA = "smollm2-mix-v2"  # the committed dataset (train/datasets/), the 
 
 def default_target() -> str:
     """The testbed target folder (SmolLM2-135M-Instruct), built if needed."""
-    out = subprocess.run([sys.executable, "-m", "vllm_carryover.testbed"], check=True,
+    out = subprocess.run([sys.executable, "-m", "vllm_carryover.tools.testbed"], check=True,
                          capture_output=True, text=True)
     return out.stdout.strip().splitlines()[-1]

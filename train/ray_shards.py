@@ -42,7 +42,7 @@ def thread_binding(workers: int, cpus_per_worker: int, address: str | None) -> s
     By default vLLM's CPU worker binds one core and leaves the rest to its
     scheduler. One local worker that owns the machine's first cores binds its
     threads to them (26% more output tok/s than unbound threads on a 2-core
-    AVX2 machine, `benchmarks.generation_rate`); workers sharing a node, or on a
+    AVX2 machine, `benchmarks.generation_rate`, in git history); workers sharing a node, or on a
     cluster, leave placement to the OS. A VLLM_CPU_OMP_THREADS_BIND set by the
     user wins.
     """

@@ -40,8 +40,8 @@ from vllm_carryover.train.options import RUN_CONTROL, TrainArgs
 from vllm_carryover.train.paths import data_dir, run_dir
 from vllm_carryover.train.vocab_subset import step_vocab
 
-from vllm_carryover.checkpoint import load_drafter_state
-from vllm_carryover.torch_drafter import TorchDrafter
+from vllm_carryover.drafter.checkpoint import load_drafter_state
+from vllm_carryover.drafter.torch_model import TorchDrafter
 
 LAST = "last.pt"
 FINAL = "final.pt"

@@ -1,7 +1,7 @@
 """`python -m train eval`: acceptance length per category on a dataset's held-out split.
 
 The running (one fresh vLLM engine process per row, tau from vLLM's counters)
-is `vllm_carryover.acceptance_eval`, shared with `benchmarks acceptance`; this
+is `vllm_carryover.tools.acceptance_eval`, shared with `benchmarks acceptance`; this
 module picks the prompts (the dataset's held-out split) and the default rows
 (the shipped SmolLM2 drafters).
 """
@@ -17,9 +17,9 @@ from typing import Any
 from vllm_carryover.train.data import MANIFEST_FILE, load_samples, sampling_name
 from vllm_carryover.train.paths import DEFAULT_DATA, cache_root, data_dir
 
-from vllm_carryover.acceptance_eval import EvalSettings, run_eval
-from vllm_carryover.rows import parse_ratio, parse_row, rows_help
-from vllm_carryover.run_settings import REPO, SHIPPED_DRAFTERS, resolve_target
+from vllm_carryover.tools.acceptance_eval import EvalSettings, run_eval
+from vllm_carryover.tools.rows import parse_ratio, parse_row, rows_help
+from vllm_carryover.tools.run_settings import REPO, SHIPPED_DRAFTERS, resolve_target
 
 SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 DEFAULT_ROWS = [f"baseline=dflash:{SMOLLM2 / 'dflash-baseline'}",

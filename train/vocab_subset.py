@@ -18,8 +18,8 @@ from vllm_carryover.train.data import response_token_counts
 from vllm_carryover.train.dflash_loss import IGNORE
 from vllm_carryover.train.paths import data_dir
 
-from vllm_carryover.draft_vocab import build as build_draft_vocab
-from vllm_carryover.torch_drafter import TorchDrafter
+from vllm_carryover.drafter.torch_model import TorchDrafter
+from vllm_carryover.drafter.vocab import build as build_draft_vocab
 
 
 def step_vocab(base: torch.Tensor, vocab_size: int, num_negatives: int,
@@ -61,6 +61,6 @@ def with_dataset_vocab(cfg: dict[str, Any], state: dict[str, torch.Tensor], targ
                        data: str, size: int
                        ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A drafter cut to the `size` tokens the target wrote most in dataset `data`'s
-    train responses (`vllm_carryover.draft_vocab`)."""
+    train responses (`vllm_carryover.drafter.vocab`)."""
     counts = response_token_counts(data_dir(data), cfg["vocab_size"])
     return build_draft_vocab(cfg, state, target, counts, size)

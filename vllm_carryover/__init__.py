@@ -9,6 +9,6 @@ __version__ = "0.1.0"
 
 def register() -> None:
     """vLLM general-plugin entry point (idempotent)."""
-    from vllm_carryover import vllm_patches
+    from vllm_carryover import patches
 
-    vllm_patches.apply()
+    patches.apply()

@@ -4,15 +4,15 @@ After each verify step vLLM hands the proposer the target's hidden states of
 every verified row, rejected drafts included. DFlash projects them all and then
 lets the next query block overwrite the rejected ones. This proposer marks the
 rejected rows (the drafter adds its rejected embedding to them) and moves the
-query block past them, so the next draft attends to them (see `carryover_slot`).
+query block past them, so the next draft attends to them (see `slot`).
 A drafter with a Markov head (the semi-autoregressive variant) then picks its
 block left to right instead of in one parallel sample (`markov_head`). Near the
 drafter's length limit, requests that still fit keep drafting (`length_limit`).
 With `"prompt_lookup": true`, requests whose text repeats take the n-gram
-matcher's draft instead of the drafter's (`prompt_lookup`); with `"corpus_lookup":
+matcher's draft instead of the drafter's (`lookups.prompt`); with `"corpus_lookup":
 true`, requests whose text ends in a phrase the target often writes take its usual
-continuation (`corpus_lookup`); with K by goodput too, whether the drafter drafts for
-the others is measured (`drafter_gate`).
+continuation (`lookups.corpus`); with K by goodput too, whether the drafter drafts for
+the others is measured (`control.drafter_gate`).
 """
 
 from __future__ import annotations
@@ -30,14 +30,15 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_carryover import kernels
-from vllm_carryover.carryover_slot import SlotLayout, plan_slots, shift_query_slots
-from vllm_carryover.corpus_lookup import CORPUS_FILE, CorpusTable
+from vllm_carryover.config import CarryoverSettings
+from vllm_carryover.control.drafter_gate import DrafterGate
+from vllm_carryover.control.step_timer import StepTimer
 from vllm_carryover.draft_trace import DraftTrace
-from vllm_carryover.drafter_gate import DrafterGate
+from vllm_carryover.drafter.markov_head import draft_left_to_right
+from vllm_carryover.drafter.vllm_model import ARCHITECTURE
 from vllm_carryover.length_limit import LengthLimit
-from vllm_carryover.markov_head import draft_left_to_right
-from vllm_carryover.metrics import CarryoverCounters
-from vllm_carryover.prompt_lookup import (
+from vllm_carryover.lookups.corpus import CORPUS_FILE, CorpusTable
+from vllm_carryover.lookups.prompt import (
     PromptLookup,
     Propose,
     draft_lengths,
@@ -50,10 +51,9 @@ from vllm_carryover.prompt_lookup import (
     texts_of,
     write_drafts,
 )
+from vllm_carryover.metrics import CarryoverCounters
+from vllm_carryover.slot import SlotLayout, plan_slots, shift_query_slots
 from vllm_carryover.slot_table import ENV_CHECK, SlotTable, checks_enabled, round_slots
-from vllm_carryover.speculative_config import CarryoverSettings
-from vllm_carryover.step_timer import StepTimer
-from vllm_carryover.vllm_drafter import ARCHITECTURE
 
 if TYPE_CHECKING:
     import numpy as np

@@ -1,7 +1,7 @@
 """Which request owns which carried-over states: a checked record of every round.
 
 Carryover is safe only if each draft sees its own request's rejected states and
-nobody else's. `carryover_slot` guarantees that by construction; this table
+nobody else's. `slot` guarantees that by construction; this table
 checks the tensors vLLM really used in the round against that module's rule,
 request by request:
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_carryover.carryover_slot import attended_keys, query_storage, slot_positions
+from vllm_carryover.slot import attended_keys, query_storage, slot_positions
 
 ENV_CHECK = "VLLM_CARRYOVER_CHECK_SLOTS"
 
