@@ -1,0 +1,166 @@
+"""The lookups beside the drafter, as one object the proposer asks: which requests a
+lookup drafts for this step and how many drafter tokens the others keep (`plan`), the
+lookups' tokens written into the step's drafts (`fill`), and at the round's end each
+request's draft length (`take_lengths`). It also keeps what vLLM hands over between its
+callbacks for this round only (the sampled tokens, the drafter rows worth scoring, the
+draft lengths), and steps the drafter gate (`control.drafter_gate`) where K by goodput
+measures whether the drafter drafts beside the lookups. The free helpers it calls are
+in `lookups.prompt`; the lookups themselves in `lookups.prompt` and `lookups.corpus`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+
+from vllm_carryover.control.drafter_gate import DrafterGate
+from vllm_carryover.lookups.corpus import CORPUS_FILE, CorpusTable
+from vllm_carryover.lookups.prompt import (
+    PromptLookup,
+    Propose,
+    draft_lengths,
+    drafter_rows_kept,
+    first_proposals,
+    lookups_suffice,
+    make_lookup_probs_one_hot,
+    one_hot_probs,
+    texts_of,
+    write_drafts,
+)
+from vllm_carryover.metrics import CarryoverCounters
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
+GATE_LOG_EVERY = 256  # counted cycles between logs of the drafter gate's choices
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One step's lookup proposals, and whether and how far the drafter drafts beside them."""
+
+    proposals: list[Sequence[int]]
+    drafter_k: int | None  # the drafter's tokens kept where no lookup proposes (None: all K)
+    drafter_runs: bool
+
+
+class Lookups:
+    """The lookups tried in order per request, and their per-round state."""
+
+    def __init__(self, proposes: list[Propose], drafter_k: int | None, rows_stay_wide: bool,
+                 vocab_size: int, runner: Any, counters: CarryoverCounters,
+                 gate: DrafterGate | None) -> None:
+        self.proposes = proposes  # each a `propose(text, K)`
+        self.drafter_k = drafter_k  # `prompt_lookup_drafter_k`
+        self.rows_stay_wide = rows_stay_wide  # async scheduling verifies whole K-wide rows
+        self.vocab_size = vocab_size
+        self.counters = counters
+        self.gate = gate
+        self._runner = runner  # for the requests' texts and ids
+        self.sampled: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's tokens
+        self._lengths: dict[str, int] | None = None  # this round's, for `kept_drafts`
+        self._scored_rows: int | None = None  # of the drafter's K this round (None: all)
+
+    @classmethod
+    def build(cls, settings: Any, vllm_config: Any, model_dir: str, runner: Any,
+              counters: CarryoverCounters) -> Lookups | None:
+        """The lookups `settings` (`CarryoverSettings`) ask for; None where there are none."""
+        proposes: list[Propose] = []
+        rows_stay_wide = bool(vllm_config.scheduler_config.async_scheduling)
+        if settings.prompt_lookup:
+            proposes.append(PromptLookup(settings.prompt_lookup_min, settings.prompt_lookup_max,
+                                         vllm_config.model_config.max_model_len).propose)
+            logger.info("Prompt lookup: requests whose last %d-%d tokens occur earlier in "
+                        "their text draft what followed them there.",
+                        settings.prompt_lookup_min, settings.prompt_lookup_max)
+        if settings.corpus_lookup:
+            path = Path(model_dir) / CORPUS_FILE
+            corpus = CorpusTable.load(path)
+            proposes.append(corpus.propose)
+            logger.info("Corpus lookup: %d contexts from %s.", len(corpus), path)
+        if not proposes:
+            return None
+        # With K by goodput, whether the drafter drafts beside the lookups is measured
+        # too. Only synchronous scheduling lets a request verify fewer than K drafts.
+        gate = None
+        if (settings.goodput_k and settings.drafter_gate and not rows_stay_wide
+                and settings.prompt_lookup_drafter_k != 0):
+            gate = DrafterGate()
+            logger.info("Drafter beside the lookups: on or off per batch size by measured "
+                        "goodput.")
+        return cls(proposes, settings.prompt_lookup_drafter_k, rows_stay_wide,
+                   vllm_config.model_config.get_vocab_size(), runner, counters, gate)
+
+    def step_begins(self, num_reqs: int) -> None:
+        """Tell the gate, if any, that a step begins, and what the verification since the
+        last `propose` call emitted."""
+        if self.gate is None:
+            return
+        now, tokens = time.perf_counter(), None
+        if self.sampled is not None:
+            sampled, discarded = self.sampled
+            # one read from the device for both counts
+            in_prefill, emitted = torch.stack((discarded[:num_reqs].sum(),
+                                               (sampled[:num_reqs] >= 0).sum())).tolist()
+            if not in_prefill:  # no request in a prefill chunk
+                tokens = emitted
+        req_ids = tuple(self._runner.input_batch.req_ids[:num_reqs])
+        if self.gate.step(now, req_ids, tokens) and self.gate.counted % GATE_LOG_EVERY == 0:
+            logger.info("Drafter beside the lookups, per batch size: %s (choice; tokens/s "
+                        "with the drafter, with the lookups alone)", self.gate.summary())
+
+    def plan(self, num_reqs: int, k: int) -> Plan:
+        """This step's proposals, and whether the drafter must run for the requests
+        without one (then only its rows a request can keep are scored)."""
+        proposals = first_proposals(self._texts(num_reqs), self.proposes, k)
+        drafter_k = self._drafter_k(proposals)
+        runs = not lookups_suffice(proposals, k, self.rows_stay_wide, drafter_k)
+        if runs:
+            self._scored_rows = drafter_rows_kept(k, drafter_k, self.rows_stay_wide)
+        return Plan(proposals, drafter_k, runs)
+
+    def fill(self, drafts: torch.Tensor, plan: Plan, draft_probs: torch.Tensor | None) -> None:
+        """Put the lookups' proposals into `drafts` [batch, K] (in place), with their
+        one-hot distributions where sampling uses the drafter's, and keep each
+        request's draft length for `take_lengths`."""
+        from_lookup = write_drafts(drafts, plan.proposals)
+        if draft_probs is not None:
+            make_lookup_probs_one_hot(draft_probs, drafts, from_lookup)
+        gated_off = (not plan.drafter_runs and plan.drafter_k == 0
+                     and self.drafter_k != 0)  # by the gate
+        self.counters.record_lookup(from_lookup, plan.drafter_runs, gated_off)
+        lengths = draft_lengths(from_lookup, plan.drafter_k)
+        req_ids = self._runner.input_batch.req_ids[: drafts.shape[0]]
+        self._lengths = dict(zip(req_ids, lengths, strict=True))
+
+    def one_hot(self, drafts: torch.Tensor) -> torch.Tensor:
+        return one_hot_probs(drafts, self.vocab_size)
+
+    def take_scored_rows(self) -> int | None:
+        rows, self._scored_rows = self._scored_rows, None  # this round's only
+        return rows
+
+    def take_lengths(self) -> dict[str, int] | None:
+        lengths, self._lengths = self._lengths, None  # this round's only
+        return lengths
+
+    def _texts(self, num_reqs: int) -> list[np.ndarray | None]:
+        """Each request's text as this step's drafts continue it (`texts_of`)."""
+        assert self.sampled is not None
+        sampled, discarded = self.sampled
+        batch = self._runner.input_batch
+        return texts_of(batch.token_ids_cpu, batch.num_tokens_no_spec, sampled[:num_reqs],
+                        discarded)
+
+    def _drafter_k(self, proposals: list[Sequence[int]]) -> int | None:
+        """How many of the drafter's tokens the requests without a lookup run draft this
+        step: `prompt_lookup_drafter_k`, or 0 where the gate measured the lookups alone
+        to serve faster at this batch size."""
+        if self.gate is None or all(len(p) for p in proposals):
+            return self.drafter_k  # not the gate's choice: the drafter would not run anyway
+        return self.drafter_k if self.gate.choose() else 0
