@@ -4,7 +4,9 @@ Every row (no speculation, vLLM's n-gram, vLLM's suffix decoding with its defaul
 vLLM's in-tree DFlash on the baseline drafter, the carryover drafter with carryover
 off, and on) runs offline in its own fresh vLLM engine process over the same held-out
 prompts, greedy, one category after another (`vllm_carryover.tools.acceptance_eval` does the
-running). From vLLM's own spec-decode counters, per row and category:
+running). With `--prompt-set outside` the prompts are the outside set's instead
+(`outside_prompts`: public benchmarks' prompts no one here wrote), one category per
+source. From vLLM's own spec-decode counters, per row and category:
 
   tau                      1 + accepted / drafts (tokens per verify step, bonus included)
   acceptance at position i accepted at draft position i / drafts
@@ -22,6 +24,7 @@ from typing import Any
 
 from vllm_carryover.benchmarks.cli import SUFFIX_ROW, row_benchmark_parser
 from vllm_carryover.benchmarks.eval_prompts import chat_token_ids, heldout_prompts
+from vllm_carryover.benchmarks.outside_prompts import SOURCE_NAMES, outside_prompts
 from vllm_carryover.benchmarks.report import (
     default_dtype,
     default_out_dir,
@@ -123,14 +126,29 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
     return files
 
 
+def acceptance_prompts(settings: EvalSettings, prompt_set: str, seed: int
+                       ) -> dict[str, list[list[int]]]:
+    """`settings.num_prompts` chat-templated prompts per category: the held-out split's
+    categories, or the outside set's sources (the first of each in `outside_prompts`'
+    order for `seed`)."""
+    if prompt_set == "heldout":
+        categories = tuple(settings.categories or CATEGORIES)
+        return chat_token_ids(settings.target,
+                              heldout_prompts(settings.num_prompts, categories, seed))
+    by_source: dict[str, list[Any]] = {name: [] for name in SOURCE_NAMES}
+    for p in outside_prompts(seed=seed):
+        if len(by_source[p.source]) < settings.num_prompts:
+            by_source[p.source].append(p)
+    return chat_token_ids(settings.target, by_source)
+
+
 def run_acceptance(rows: list[Row], settings: EvalSettings, out: Path,
-                   seed: int = 0) -> dict[str, Any]:
-    """Measure every row on the held-out prompts; write the JSON, markdown and plots."""
-    categories = tuple(settings.categories or CATEGORIES)
-    prompts = chat_token_ids(settings.target,
-                             heldout_prompts(settings.num_prompts, categories, seed))
+                   seed: int = 0, prompt_set: str = "heldout") -> dict[str, Any]:
+    """Measure every row on the prompt set; write the JSON, markdown and plots."""
+    prompts = acceptance_prompts(settings, prompt_set, seed)
     result = run_eval(rows, settings, out / "acceptance.json", prompts)
     result = {**header(), **{k: v for k, v in result.items() if k not in ("date", "command")}}
+    result["args"]["prompt_set"] = prompt_set
     result["args"]["prompt_seed"] = seed
     add_rates(result)
     result["summary"] = summary_markdown(result)
@@ -141,6 +159,9 @@ def run_acceptance(rows: list[Row], settings: EvalSettings, out: Path,
 
 
 def _cmd_acceptance(a: argparse.Namespace) -> None:
+    if a.prompt_set == "outside" and a.categories:
+        raise SystemExit("--categories picks held-out categories; the outside set's "
+                         f"categories are its sources ({', '.join(SOURCE_NAMES)})")
     size = SIZES["quick" if a.quick else "full"]
     target = resolve_target(a.target)
     rows = a.row or [parse_row(r) for r in DEFAULT_ROWS]
@@ -150,7 +171,7 @@ def _cmd_acceptance(a: argparse.Namespace) -> None:
                             dtype=a.dtype or default_dtype(), ratios=a.ratio,
                             default_ratios=DEFAULT_RATIOS)
     out = Path(a.out) if a.out else default_out_dir("acceptance")
-    result = run_acceptance(rows, settings, out, seed=a.seed)
+    result = run_acceptance(rows, settings, out, seed=a.seed, prompt_set=a.prompt_set)
     print("\n" + result["summary"])
     print(f"{out}/acceptance.json")
     for plot_file in result["plots"]:
@@ -161,8 +182,13 @@ def add_cli(subparsers: Any) -> None:
     """The `acceptance` subcommand of `python -m benchmarks`."""
     p = row_benchmark_parser(
         subparsers, "acceptance", "tau, acceptance per draft position and tokens/s per "
-        "category", __doc__, DEFAULT_ROWS, SIZES)
+        "category", __doc__, DEFAULT_ROWS, SIZES,
+        num_prompts_help="prompts per held-out category or outside source (default: by size)")
     p.add_argument("--ratio", action="append", type=parse_ratio, metavar="NUM/DEN",
                    help="a tau ratio column (default: carryover/dflash, carryover/carryover-off)")
-    p.add_argument("--seed", type=int, default=0, help="which held-out prompts are drawn")
+    p.add_argument("--seed", type=int, default=0, help="which prompts are drawn")
+    p.add_argument("--prompt-set", choices=("heldout", "outside"), default="heldout",
+                   help="heldout: the training corpora's held-out split, by category "
+                   "(default); outside: public benchmarks' prompts, by source, "
+                   "--num-prompts of each")
     p.set_defaults(fn=_cmd_acceptance)

@@ -66,7 +66,6 @@ from vllm_carryover.tools.rows import Row, check_rows, parse_row
 from vllm_carryover.tools.run_settings import (
     REPO,
     SHIPPED_DRAFTERS,
-    SHIPPED_LOOKUPS,
     model_runner_of,
     resolve_target,
     serve_max_model_len,
@@ -79,14 +78,14 @@ SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 # K per step by measured goodput (vllm_carryover/control/goodput_k.py), 0 included.
 GOODPUT = {"method": "carryover", "model": str(SMOLLM2 / "carryover"),
            "num_speculative_tokens_per_batch_size": "goodput"}
-# ... with the shipped lookups beside the drafter
-LOOKUP = GOODPUT | SHIPPED_LOOKUPS
+# The shipped lookups beside the drafter are the last row; `--row carryover-suffix:PATH`
+# adds their rival, suffix lookup (`tools.rows`).
 DEFAULT_ROWS = ["none", "ngram", SUFFIX_ROW,
                 f"dflash=dflash:{SMOLLM2 / 'dflash-baseline'}",
                 f"carryover-off=carryover-off:{SMOLLM2 / 'carryover'}",
                 f"carryover=carryover:{SMOLLM2 / 'carryover'}",
                 f"carryover-goodput={json.dumps(GOODPUT)}",
-                f"carryover-lookup={json.dumps(LOOKUP)}"]
+                f"carryover-lookup:{SMOLLM2 / 'carryover'}"]
 PROMPT_SETS = ("outside", "heldout")
 SIZES: dict[str, dict[str, Any]] = {
     "quick": {"requests": 5, "max_tokens": 32, "concurrency": [1, 4], "repeats": 1,
@@ -205,7 +204,7 @@ METRICS = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")
 KV_CACHE_BYTES = 512 << 20  # per server; the eight default rows share the machine's memory
 # Goals of the issue, checked where the rows exist: (row, baseline, concurrency, min ratio).
 GOALS = [(row, base, c, goal)
-         for row in ("carryover", "carryover-goodput", "carryover-lookup")
+         for row in ("carryover", "carryover-goodput", "carryover-lookup", "carryover-suffix")
          for base, c, goal in (("none", 1, 2.0), ("ngram", 1, 1.5), ("none", 4, 1.3),
                                ("none", 16, 1.0))]
 # Environment variables that steer a server's threads and kernels, recorded per row.

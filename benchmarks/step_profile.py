@@ -106,7 +106,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm_carryover.benchmarks.eval_prompts import chat_token_ids, heldout_prompts
 
-    import vllm_carryover.proposer
+    import vllm_carryover.lookups.beside
     from vllm_carryover.dtype import resolve_dtype
     from vllm_carryover.tools.run_settings import SHIPPED_DRAFTERS, SHIPPED_LOOKUPS, resolve_target
 
@@ -135,8 +135,9 @@ def main() -> None:
     if spec is not None:
         drafter_model = runner.drafter.model
         timer.wrap(runner.drafter, "propose", "drafter propose")
-        timer.wrap(runner.drafter, "_texts", "lookups")
-        timer.wrap(vllm_carryover.proposer, "first_proposals", "lookups")
+        if runner.drafter.lookups is not None:
+            timer.wrap(runner.drafter.lookups, "_texts", "lookups")
+            timer.wrap(vllm_carryover.lookups.beside, "first_proposals", "lookups")
         timer.wrap(drafter_model, "precompute_and_store_context_kv", "context proj.")
         timer.wrap(drafter_model, "forward", "drafter fwd")
         # the draft-vocabulary path calls the processor itself (proposer._greedy_sample)

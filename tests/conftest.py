@@ -84,6 +84,19 @@ def stub_drafter(tmp_path_factory: pytest.TempPathFactory) -> Path:
                         block_size=8)
 
 
+@pytest.fixture
+def offline_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty huggingface_hub cache, offline (what HF_HUB_CACHE and HF_HUB_OFFLINE=1 set;
+    huggingface_hub reads those variables once, at import)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
 @pytest.fixture(scope="session")
 def shipped_drafters() -> Path:
     """The folder of the SmolLM2 drafters that `train/` made and the repository ships."""

@@ -139,7 +139,8 @@ class BadInput:
 
 
 LOOKUP_OFF = {"prompt_lookup": False, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
-              "prompt_lookup_drafter_k": None, "corpus_lookup": False, "drafter_gate": True}
+              "prompt_lookup_drafter_k": None, "corpus_lookup": False, "drafter_gate": True,
+              "suffix_lookup": False}
 
 BAD_INPUTS: dict[str, BadInput] = {
     # the speculative config itself
@@ -187,6 +188,21 @@ BAD_INPUTS: dict[str, BadInput] = {
         ("'corpus_lookup' needs corpus_table.npz in the drafter folder",
          "build it with `python -m train corpus-table --drafter"),
         spec={"corpus_lookup": True}),
+    "suffix_lookup_not_bool": BadInput(("'suffix_lookup' must be true or false, got 1",),
+                                       spec={"suffix_lookup": 1}),
+    "suffix_lookup_beside_prompt_lookup": BadInput(
+        ("'suffix_lookup' replaces 'prompt_lookup' and 'corpus_lookup'",
+         "set suffix_lookup or those two, not both"),
+        spec={"suffix_lookup": True, "prompt_lookup": True}),
+    "suffix_key_without_suffix_lookup": BadInput(
+        ("['suffix_decoding_max_tree_depth'] tune 'suffix_lookup', which is off",),
+        spec={"suffix_decoding_max_tree_depth": 16}),
+    "suffix_min_token_prob_above_one": BadInput(
+        ("'suffix_decoding_min_token_prob' must be a number in [0, 1], got 1.5",),
+        spec={"suffix_lookup": True, "suffix_decoding_min_token_prob": 1.5}),
+    "suffix_tree_depth_fractional": BadInput(
+        ("'suffix_decoding_max_tree_depth' must be an integer of at least 1, got 2.5",),
+        spec={"suffix_lookup": True, "suffix_decoding_max_tree_depth": 2.5}),
     "prompt_lookup_drafter_k_negative": BadInput(
         ("'prompt_lookup_drafter_k' must be an integer of at least 0, got -1",),
         spec={"prompt_lookup_drafter_k": -1}),
@@ -357,7 +373,20 @@ def test_prompt_lookup_reaches_the_workers_with_its_ngram_lengths(smollm2, rando
     assert config.speculative_config.draft_model_config.hf_config.carryover_runtime == {
         "enabled": True, "goodput_k": False, "prompt_lookup": True, "prompt_lookup_min": 2,
         "prompt_lookup_max": 3, "prompt_lookup_drafter_k": 1, "corpus_lookup": False,
-        "drafter_gate": True}
+        "drafter_gate": True, "suffix_lookup": False}
+
+
+def test_suffix_lookup_reaches_the_workers_with_vllms_suffix_keys(smollm2, random_drafter):
+    """The suffix_decoding_* keys stay in vLLM's config (the proposer reads them there):
+    as given, else vLLM's defaults."""
+    config = engine_config(smollm2, carryover(random_drafter, suffix_lookup=True,
+                                              suffix_decoding_max_tree_depth=16))
+    spec = config.speculative_config
+    assert spec.draft_model_config.hf_config.carryover_runtime == {
+        "enabled": True, "goodput_k": False, **LOOKUP_OFF, "suffix_lookup": True}
+    assert spec.suffix_decoding_max_tree_depth == 16
+    assert (spec.suffix_decoding_max_cached_requests, spec.suffix_decoding_max_spec_factor,
+            spec.suffix_decoding_min_token_prob) == (10000, 1.0, 0.1)
 
 
 def test_wrong_type_for_a_vllm_key_is_refused_in_one_line(smollm2, random_drafter):

@@ -324,6 +324,22 @@ def test_suffix_decoding_is_a_default_row_with_vllms_own_length() -> None:
     assert serving.DEFAULT_ROWS[:3] == ["none", "ngram", serving.SUFFIX_ROW]
 
 
+def test_acceptance_on_the_outside_set_takes_the_first_prompts_of_each_source(
+        smollm2: Path) -> None:
+    from transformers import AutoTokenizer
+    from vllm_carryover.benchmarks.acceptance import acceptance_prompts
+    from vllm_carryover.benchmarks.outside_prompts import outside_prompts
+
+    from vllm_carryover.tools.acceptance_eval import EvalSettings
+
+    prompts = acceptance_prompts(EvalSettings(target=str(smollm2), num_prompts=2), "outside", 0)
+    assert list(prompts) == ["humaneval", "mt-bench", "ifbench"]
+    assert all(len(ids) == 2 for ids in prompts.values())
+    first = next(p for p in outside_prompts() if p.source == "mt-bench")
+    text = AutoTokenizer.from_pretrained(smollm2).decode(prompts["mt-bench"][0])
+    assert first.messages[0]["content"] in text
+
+
 def test_suffix_decodings_library_is_installed_and_its_plugin_off() -> None:
     """scripts/setup.sh builds arctic-inference; its vLLM plugin must stay inactive."""
     import os

@@ -55,6 +55,8 @@ def replay(rounds: list[dict], drafter: TorchDrafter,
             carried = rejected if bool(rec["carryover"]) and rejected <= K else 0
             for row in range(start, end - rejected):
                 committed[req][int(pos[row])] = states[row]
+            if "logits" not in rec:  # a step that drafted nothing: context alone
+                continue
             block_start = int(rec["query_positions"][i * (K + 1)])
             # Positions at or past the block start are stale (a preempted request's old rows).
             ctx_pos = sorted(p for p in committed[req] if p < block_start)
@@ -74,10 +76,13 @@ def replay(rounds: list[dict], drafter: TorchDrafter,
 
 
 def traced_run(tiny: tuple[Path, Path], tmp: Path, prompts: list[list[int]],
-               carryover: bool = True, shared_prefix: bool = False, **engine) -> list[dict]:
+               carryover: bool = True, shared_prefix: bool = False,
+               k_schedule: list[list[int]] | None = None, **engine) -> list[dict]:
     target, drafter_dir = tiny
     spec = {"method": "carryover", "model": str(drafter_dir), "num_speculative_tokens": K,
             "carryover": carryover}
+    if k_schedule is not None:
+        spec["num_speculative_tokens_per_batch_size"] = k_schedule
     job = {"model": str(target), "prompts": prompts, "max_tokens": 24,
            "engine": {"speculative_config": spec, "max_num_batched_tokens": 48, **engine}}
     run_engine(job, tmp, "trace", env={ENV: str(tmp / "trace")})
@@ -230,5 +235,22 @@ def test_preempted_request_resumes_with_an_empty_slot(tiny, tmp_path):
         last_position[r["req"]] = r["args"][3]
     assert resumed, "the small KV cache did not preempt any request"
     assert all(r["carried"] == 0 for r in resumed)
+    for r in results:
+        torch.testing.assert_close(r["got"], r["expected"], atol=2e-4, rtol=2e-4)
+
+
+def test_context_of_steps_that_draft_nothing_is_written_late_and_read_by_later_drafts(
+        tiny, tmp_path):
+    """K = 0 while three or more requests run, K = 4 below: the K = 0 steps only keep
+    their target states (`deferred_context`), and the first draft after them must
+    attend to every one of those rows in its right place, here while a small KV cache
+    also preempts requests, so that kept rows point at blocks that changed hands."""
+    results = traced_run(tiny, tmp_path, random_prompts(6, seed=10), max_model_len=256,
+                         kv_cache_memory_bytes=900_000, block_size=32,
+                         k_schedule=[[1, 2, K], [3, 1024, 0]])
+    rounds = load_rounds(tmp_path / "trace")
+    context_only = [i for i, rec in enumerate(rounds) if "logits" not in rec]
+    assert len(context_only) > 20, "the schedule should have run many K = 0 steps"
+    assert any(i > context_only[0] for i, rec in enumerate(rounds) if "logits" in rec)
     for r in results:
         torch.testing.assert_close(r["got"], r["expected"], atol=2e-4, rtol=2e-4)

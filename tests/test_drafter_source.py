@@ -1,7 +1,7 @@
 """A drafter given as a Hugging Face hub id or as a sharded checkpoint is read like a folder.
 
-The hub cases run offline (`HF_HUB_OFFLINE`) against a cache laid out as
-huggingface_hub lays it out, so they need no network.
+The hub cases run offline (`HF_HUB_OFFLINE`, conftest's `offline_cache`) against a
+cache laid out as huggingface_hub lays it out, so they need no network.
 """
 
 from __future__ import annotations
@@ -21,18 +21,6 @@ from vllm_carryover.errors import CarryoverConfigError
 from vllm_carryover.tools.acceptance_eval import weights_sha256
 
 REPO = "carryover-tests/stub-drafter"
-
-
-@pytest.fixture
-def offline_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty huggingface_hub cache, offline (what HF_HUB_CACHE and HF_HUB_OFFLINE=1 set)."""
-    from huggingface_hub import constants
-
-    cache = tmp_path / "hub"
-    cache.mkdir()
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    return cache
 
 
 def spec_for(model: str, **extra: object) -> dict[str, object]:

@@ -230,6 +230,37 @@ def test_corpus_lookup_drafts_the_targets_usual_phrases_and_stays_identical(
     assert_rejected_states_carried(out["spec"], co)
 
 
+@pytest.mark.parametrize("seeded", [False, True])
+def test_suffix_lookup_drafts_from_its_trees_and_stays_identical(
+        smollm2, prompts, trained_drafter, reference_fp32, tmp_path, seeded):
+    """`"suffix_lookup": true` in the shipped configuration's place of prompt and corpus
+    lookup (one drafter token, K by goodput, so K = 0 steps occur too): arctic-inference's
+    trees of each request's text (two prompts repeat a sentence) and of the answers
+    written so far draft where they match, the drafter's token elsewhere; the rejected
+    lookup tokens are carried like any others. Seeded, the drafter folder's
+    suffix_seed.npz holds the target's own answers to half of the prompts: those
+    requests draft them from the answer tree as soon as they begin."""
+    from vllm_carryover.lookups.suffix import SEED_FILE, save_seed
+
+    drafter = trained_drafter
+    if seeded:
+        drafter = tmp_path / "drafter"
+        drafter.mkdir()
+        for f in trained_drafter.iterdir():
+            (drafter / f.name).symlink_to(f)
+        save_seed(drafter / SEED_FILE, reference_fp32["token_ids"][:len(prompts) // 2])
+    out = generate(smollm2, prompts, tmp_path, "carryover-suffix", drafter,
+                   suffix_lookup=True, prompt_lookup_drafter_k=1,
+                   num_speculative_tokens_per_batch_size="goodput")
+    assert out["token_ids"] == reference_fp32["token_ids"]
+    co = out["carryover"]
+    assert co["carryover_lookup_rounds"] > 0
+    assert_rejected_states_carried(out["spec"], co)
+    if seeded:  # the seeded answers are drafted, and accepted, long stretches at a time
+        spec = out["spec"]
+        assert spec["spec_decode_num_accepted_tokens"] > 0.5 * spec["spec_decode_num_draft_tokens"]
+
+
 def assert_rejected_states_carried(spec: dict, co: dict) -> None:
     """Every rejected state is carried into the next draft, except those verified in a
     step whose drafts all came from lookups: it skips the drafter, and its slot is

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.tiny_models import make_tiny_drafter, make_tiny_target, write_cached_dataset
+from support.tiny_models import make_tiny_drafter, make_tiny_target, write_random_dataset
 from vllm_carryover.train.baseline import fresh_drafter_state
 from vllm_carryover.train.dflash_loss import (
     IGNORE,
@@ -37,7 +37,6 @@ from vllm_carryover.drafter.format import DrafterConfig
 from vllm_carryover.drafter.target_weights import target_final_norm
 
 REPO = Path(__file__).resolve().parent.parent
-VOCAB = 512  # make_tiny_target's default
 DATA = "tiny-loop"
 
 
@@ -49,7 +48,7 @@ def tiny_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     drafter = make_tiny_drafter(target, tmp / "drafter", block_size=4)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CARRYOVER_CACHE", str(tmp / "cache"))
-        write_tiny_dataset(target)
+        write_random_dataset(target, DATA)
     return {"target": target, "drafter": drafter, "cache": tmp / "cache"}
 
 
@@ -57,19 +56,6 @@ def tiny_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def cache(tiny_setup: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(tiny_setup["cache"]))
     return tiny_setup["cache"]
-
-
-def write_tiny_dataset(target: Path) -> None:
-    """15 random prompt + response rows (3 held out)."""
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for i in range(15):
-        n_prompt, n_resp = (int(x) for x in torch.randint(4, 9, (2,), generator=gen))
-        toks = torch.randint(1, VOCAB, (n_prompt + 3 * n_resp,), generator=gen).tolist()
-        rows.append({"id": f"r{i}", "group": f"g{i}", "category": "chat", "messages": [],
-                     "prompt_ids": toks[:n_prompt], "response_ids": toks[n_prompt:],
-                     "response": "", "split": "heldout" if i % 5 == 0 else "train"})
-    write_cached_dataset(target, DATA, rows)
 
 
 def recipe_argv(recipe: str, setup: dict[str, Path], run: str, *extra: str) -> list[str]:
@@ -128,7 +114,7 @@ def test_interrupted_multi_epoch_run_over_the_state_cache_resumes_to_the_online_
     from vllm_carryover.train import baseline
 
     monkeypatch.setenv("VLLM_CARRYOVER_CACHE", str(tmp_path / "cache"))
-    write_tiny_dataset(tiny_setup["target"])  # no target state stored yet
+    write_random_dataset(tiny_setup["target"], DATA)  # no target state stored yet
     computed: list[tuple[int, ...]] = []
 
     def counted(decoder: Any, batch: list[list[int]], layer_ids: list[int]

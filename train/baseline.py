@@ -219,8 +219,8 @@ def train_baseline(a: BaselineArgs) -> Path:
     torch.manual_seed(a.seed)
     place = placement(a.device, a.dtype)
     prior: dict[str, Any] = {}
-    if a.init_run:  # continue from an earlier run or exported drafter (its config wins)
-        cfg, state, prior = load_init(a.init_run)
+    if a.init_run:  # continue from a run, an export or a public DFlash drafter (its config wins)
+        cfg, state, prior = load_init(a.init_run, a.target, "--init-run")
         if a.draft_vocab and cfg.get("draft_vocab_size") != a.draft_vocab:
             raise SystemExit(f"--draft-vocab {a.draft_vocab} gives a new drafter its head; "
                              f"the --init-run drafter has draft_vocab_size "

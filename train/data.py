@@ -20,15 +20,18 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from vllm_carryover.train import dataset_store as store
 from vllm_carryover.train.answerer import Answerer, engine_kwargs
 from vllm_carryover.train.prompts import MAX_PROMPT_TOKENS, Prompt, prompt_token_ids
 
 from vllm_carryover.dtype import resolve_dtype
 from vllm_carryover.lookups.corpus import MIN_COUNT, MIN_SHARE, CorpusTable
+from vllm_carryover.lookups.suffix import SEED_ANSWERS
 
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Iterator
 
 # Re-exported: the dataset's reader API.
 load_manifest = store.load_manifest
@@ -42,22 +45,36 @@ def load_samples(data: Path, split: str | None = None) -> list[dict[str, Any]]:
     return [r for r in store.iter_samples(data) if split is None or r["split"] == split]
 
 
+def train_samples(folder: Path) -> Iterator[dict[str, Any]]:
+    """The train split's answered prompts, in table order: what a draft vocabulary,
+    the corpus table and the suffix seed learn from (held-out responses stay unseen)."""
+    return (r for r in store.iter_samples(folder) if r["split"] == "train")
+
+
 def response_token_counts(folder: Path, vocab_size: int) -> Any:
     """How often the target wrote each token in the train split's responses (a draft
-    vocabulary's ranking; held-out responses stay unseen)."""
+    vocabulary's ranking)."""
     from vllm_carryover.drafter.vocab import token_counts
 
-    return token_counts((r["response_ids"] for r in store.iter_samples(folder)
-                         if r["split"] == "train"), vocab_size)
+    return token_counts((r["response_ids"] for r in train_samples(folder)), vocab_size)
 
 
 def corpus_table(folder: Path, min_count: int = MIN_COUNT,
                  min_share: float = MIN_SHARE) -> CorpusTable:
-    """The corpus lookup's table of the train split's responses (held-out stay unseen);
-    `min_count` / `min_share`: which continuations it keeps."""
+    """The corpus lookup's table of the train split's responses; `min_count` /
+    `min_share`: which continuations it keeps."""
     return CorpusTable.build([(r["prompt_ids"], r["response_ids"])
-                              for r in load_samples(folder, "train")],
+                              for r in train_samples(folder)],
                              min_count=min_count, min_share=min_share)
+
+
+def suffix_seed(folder: Path, max_answers: int = SEED_ANSWERS) -> list[list[int]]:
+    """Up to `max_answers` of the train split's responses for the suffix lookup's answer
+    tree, in a fixed random order: the tree keeps the last ones it is fed, so any tail
+    of this order is a uniform sample of the categories."""
+    answers = [r["response_ids"] for r in train_samples(folder)]
+    order = np.random.default_rng(0).permutation(len(answers))[:max_answers]
+    return [answers[i] for i in order]
 
 
 def add_corpus_rule_options(p: argparse.ArgumentParser) -> None:

@@ -134,7 +134,7 @@ def load_drafter(target: str, init: str) -> Any:
     from vllm_carryover.drafter.target_weights import target_embedding
     from vllm_carryover.drafter.torch_model import TorchDrafter
 
-    cfg, state, _ = load_init(init)
+    cfg, state, _ = load_init(init, target, "--init")
     dcfg = DrafterConfig.from_dict({k: v for k, v in cfg.items() if k != "carryover_config"})
     drafter = TorchDrafter(dcfg, target_embedding(target))
     drafter.load_checkpoint_state(state)
@@ -156,7 +156,8 @@ def add_drafter_options(p: argparse.ArgumentParser, init_required: bool = True) 
     where the drafter is optional)."""
     p.add_argument("--target", help="target model folder (default: the testbed SmolLM2 folder)")
     p.add_argument("--init", required=init_required,
-                   help="drafter folder, or a run name in the cache (its final.pt)"
+                   help="drafter folder, else a run name in the cache (its final.pt), else a "
+                   "Hugging Face hub id"
                    + ("" if init_required else "; without it only the lookups are walked"))
     p.add_argument("--data", default=DEFAULT_DATA,
                    help="dataset name in the cache (default: %(default)s)")

@@ -1,4 +1,5 @@
-"""`python -m train {data,baseline,carryover,export,draft-vocab,eval,headroom,lookup-headroom}`."""
+"""`python -m train {data,baseline,carryover,export,draft-vocab,corpus-table,suffix-seed,eval,
+headroom,lookup-headroom}`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Any
 from vllm_carryover.train import data, headroom, lookup_headroom, vllm_eval
 from vllm_carryover.train.options import BaselineArgs, CarryoverArgs, add_train_options, args_from
 from vllm_carryover.train.paths import DEFAULT_DATA, default_target
+
+from vllm_carryover.lookups.suffix import SEED_ANSWERS
 
 
 def cmd_baseline(a: argparse.Namespace) -> None:
@@ -73,6 +76,19 @@ def cmd_corpus_table(a: argparse.Namespace) -> None:
     print(path)
 
 
+def cmd_suffix_seed(a: argparse.Namespace) -> None:
+    from vllm_carryover.train.data import suffix_seed
+    from vllm_carryover.train.paths import data_dir
+
+    from vllm_carryover.lookups.suffix import SEED_FILE, save_seed
+
+    answers = suffix_seed(data_dir(a.data), a.max_answers)
+    path = Path(a.drafter) / SEED_FILE
+    save_seed(path, answers)
+    print(f"{len(answers):,} train responses of {a.data}", file=sys.stderr)
+    print(path)
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     p = argparse.ArgumentParser(prog=prog, description=__doc__)
@@ -100,10 +116,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
                    help="target layers whose states feed the drafter (default: three spread "
                    "over the depth)")
     b.add_argument("--init-run", default=BaselineArgs.init_run,
-                   help="start from this run's final.pt, or from this drafter folder (an "
-                   "export: a committed checkpoint continues on a fresh machine), with a "
-                   "fresh LR schedule; its drafter config wins; steps and tokens add up in "
-                   "the metadata")
+                   help="start from this drafter folder (an export: a committed checkpoint "
+                   "continues on a fresh machine; or a downloaded DFlash checkpoint), else "
+                   "this run's final.pt, else this Hugging Face hub id (a public DFlash "
+                   "drafter, resolved as serving resolves it: the HF cache, HF_HUB_OFFLINE), "
+                   "with a fresh LR schedule; its drafter config wins (depth, block size, "
+                   "target layers); steps and tokens add up in the metadata")
     b.add_argument("--draft-vocab", type=int, default=BaselineArgs.draft_vocab, metavar="N",
                    help="give a new drafter a draft vocabulary from the start: its LM head "
                    "over the N tokens the target writes most often in --data's train "
@@ -135,8 +153,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
         "under torchrun (--nproc-per-node N; gloo on the CPU, NCCL on CUDA).")
     add_train_options(c, CarryoverArgs())
     c.add_argument("--init", default=CarryoverArgs.init,
-                   help="start from this drafter folder, or a run name in the cache "
-                   "(its final.pt); default: the shipped SmolLM2 baseline drafter")
+                   help="start from this drafter folder, else this run's final.pt in the "
+                   "cache, else this Hugging Face hub id (resolved as serving resolves it: "
+                   "the HF cache, HF_HUB_OFFLINE); a public DFlash drafter (e.g. "
+                   "z-lab/Qwen3-8B-DFlash-b16 for Qwen/Qwen3-8B) keeps its depth, block size "
+                   "and target layers and gets a rejected embedding, starting at zero; "
+                   "default: the shipped SmolLM2 baseline drafter")
     c.add_argument("--first-draft-weight", type=float, default=CarryoverArgs.first_draft_weight,
                    help="lambda: weight of the plain (empty-slot) first-draft loss "
                    "(default: %(default)s)")
@@ -190,6 +212,21 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
                    help="dataset whose train responses make the table (default: %(default)s)")
     data.add_corpus_rule_options(t)
     t.set_defaults(fn=cmd_corpus_table)
+
+    t = sub.add_parser(
+        "suffix-seed", help="the suffix lookup's first answers, written into a drafter folder",
+        description="Up to --max-answers of the dataset's train responses (those the "
+        "corpus table is built from), in a fixed random order, written to the drafter "
+        "folder as suffix_seed.npz. Serving with \"suffix_lookup\": true puts them in "
+        "its tree of past answers at startup (vllm_carryover/lookups/suffix.py).")
+    t.add_argument("--drafter", required=True, help="drafter folder to write the seed into")
+    t.add_argument("--data", default=DEFAULT_DATA,
+                   help="dataset whose train responses make the seed (default: %(default)s)")
+    t.add_argument("--max-answers", type=int, default=SEED_ANSWERS,
+                   help="at most this many responses: the answer tree keeps no more than "
+                   "suffix_decoding_max_cached_requests, whose default is vLLM's "
+                   "(default: %(default)s)")
+    t.set_defaults(fn=cmd_suffix_seed)
 
     vllm_eval.add_cli(sub)
     headroom.add_cli(sub)

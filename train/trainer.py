@@ -41,7 +41,10 @@ from vllm_carryover.train.paths import data_dir, run_dir
 from vllm_carryover.train.vocab_subset import step_vocab
 
 from vllm_carryover.drafter.checkpoint import load_drafter_state
+from vllm_carryover.drafter.source import is_hub_id, resolve_drafter
 from vllm_carryover.drafter.torch_model import TorchDrafter
+from vllm_carryover.drafter.validation import validate_for_target_folder
+from vllm_carryover.errors import CarryoverConfigError
 
 LAST = "last.pt"
 FINAL = "final.pt"
@@ -321,15 +324,50 @@ class Trainer:
         return path
 
 
-def load_init(init: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
-    """(config, float32 state, its training metadata) of a drafter folder (an export,
-    e.g. a committed one on a fresh machine) or a run name in the cache (its final.pt)."""
-    path = Path(init)
-    if (path / "config.json").is_file():
-        cfg, state = load_drafter_state(path, fill_rejected=False)
-        return cfg, {k: v.float() for k, v in state.items()}, cfg.get("carryover_config", {})
-    saved = torch.load(run_dir(init) / FINAL)
-    return saved["config"], saved["state"], saved["meta"]
+def init_checkpoint(init: str, flag: str) -> Path:
+    """The drafter that `flag`'s value `init` names: an existing path (a drafter folder: an
+    export, a committed one on a fresh machine, a downloaded DFlash checkpoint), else a run
+    name in the cache (its final.pt), else a Hugging Face hub id (its snapshot, resolved as
+    serving resolves a drafter). Checked in that order, so that a value means one thing.
+
+    Raises SystemExit naming the value, what it was taken for, and the fix.
+    """
+    path = Path(init).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"{flag} {init}: no drafter folder (it has no config.json); "
+                             "pass a folder with config.json and model.safetensors, a run by "
+                             "its name, or a Hugging Face hub id (owner/name)")
+        return path
+    if (run_dir(init) / FINAL).is_file():
+        return run_dir(init) / FINAL
+    if not is_hub_id(init):
+        raise SystemExit(f"{flag} {init}: no such folder, no finished run of that name in "
+                         f"the cache ({run_dir(init) / FINAL}), and no Hugging Face hub id "
+                         "(owner/name); pass a drafter folder, a run name or a hub id")
+    try:
+        return resolve_drafter(init)
+    except CarryoverConfigError as e:
+        raise SystemExit(f"{flag} {init}: no finished run of that name in the cache "
+                         f"({run_dir(init) / FINAL}), and as a hub id: {e}") from e
+
+
+def load_init(init: str, target: str, flag: str
+              ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+    """(config, float32 state, its training metadata) of the drafter `init_checkpoint`
+    finds. A folder is first checked against the target as serving checks it, so that a
+    drafter made for another model fails here, naming the mismatch, before any target
+    weights load; a DFlash checkpoint without a rejected embedding is read without one."""
+    source = init_checkpoint(init, flag)
+    if not source.is_dir():
+        saved = torch.load(source)
+        return saved["config"], saved["state"], saved["meta"]
+    try:
+        validate_for_target_folder(source, target, None)
+    except CarryoverConfigError as e:
+        raise SystemExit(f"{flag} {init}: {e}") from e
+    cfg, state = load_drafter_state(source, fill_rejected=False)
+    return cfg, {k: v.float() for k, v in state.items()}, cfg.get("carryover_config", {})
 
 
 def args_dict(a: TrainArgs) -> dict[str, Any]:

@@ -38,10 +38,10 @@ CARRYOVER_KEYS: dict[str, str] = {
     f"{DEFAULT_MIN_N})",
     "prompt_lookup_max": f"with prompt_lookup, the longest n-gram to match (default: "
     f"{DEFAULT_MAX_N})",
-    "prompt_lookup_drafter_k": "with prompt_lookup or corpus_lookup, how many of the "
-    "drafter's tokens a request without a match drafts (0: none, and the drafter never "
-    "runs; default: num_speculative_tokens)",
-    "drafter_gate": "with prompt_lookup or corpus_lookup and K by goodput "
+    "prompt_lookup_drafter_k": "with a lookup (prompt_lookup, corpus_lookup or "
+    "suffix_lookup), how many of the drafter's tokens a request without a match drafts "
+    "(0: none, and the drafter never runs; default: num_speculative_tokens)",
+    "drafter_gate": "with a lookup and K by goodput "
     "(num_speculative_tokens_per_batch_size \"goodput\"), true: per batch size, whether "
     "requests without a match draft the drafter's tokens is decided by each choice's "
     "measured tokens/s; false: they always do (default: true)",
@@ -49,6 +49,18 @@ CARRYOVER_KEYS: dict[str, str] = {
     "often wrote after the same 2-5 tokens; `python -m train corpus-table`) continues the "
     "request's text, draft that chain; after prompt_lookup's match, before the drafter "
     "(default: false)",
+    "suffix_lookup": "true: instead of prompt_lookup and corpus_lookup, draft from "
+    "arctic-inference's suffix trees of the request's own text and of the answers the "
+    "server has written, as vLLM's suffix method does (its suffix_decoding_* keys tune "
+    "it; default: false)",
+}
+# vLLM's suffix method's knobs, which suffix_lookup reads with vLLM's defaults: each
+# key's type and range (least, most; None: no bound), as vLLM checks its own method's.
+SUFFIX_KEYS: dict[str, tuple[type, float, float | None]] = {
+    "suffix_decoding_max_tree_depth": (int, 1, None),
+    "suffix_decoding_max_cached_requests": (int, 0, None),
+    "suffix_decoding_max_spec_factor": (float, 0, None),
+    "suffix_decoding_min_token_prob": (float, 0, 1),
 }
 # vLLM's keys that make sense for a carryover drafter.
 VLLM_KEYS: tuple[str, ...] = (
@@ -65,6 +77,7 @@ VLLM_KEYS: tuple[str, ...] = (
     "disable_padded_drafter_batch",
     "disable_eagle_block_drop",
     "enforce_eager",
+    *SUFFIX_KEYS,
 )
 ALLOWED_KEYS: tuple[str, ...] = VLLM_KEYS + tuple(CARRYOVER_KEYS)
 
@@ -81,6 +94,7 @@ class CarryoverSettings:
     prompt_lookup_drafter_k: int | None = None  # None: all K
     drafter_gate: bool = True  # with K by goodput: the drafter's tokens only where they pay
     corpus_lookup: bool = False  # the corpus table's chains where it has some
+    suffix_lookup: bool = False  # the suffix trees' drafts, instead of prompt and corpus lookup
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> CarryoverSettings:
@@ -110,7 +124,9 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
                              spec.pop("prompt_lookup_max", DEFAULT_MAX_N),
                              spec.pop("prompt_lookup_drafter_k", None),
                              spec.pop("corpus_lookup", False),
-                             spec.pop("drafter_gate", True))
+                             spec.pop("drafter_gate", True),
+                             spec.pop("suffix_lookup", False))
+    check_suffix_keys(spec, lookup["suffix_lookup"])
     schedule = spec.get("num_speculative_tokens_per_batch_size")
     if isinstance(schedule, str) and schedule != GOODPUT:
         raise CarryoverConfigError(
@@ -173,12 +189,19 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
 
 
 def lookup_settings(on: Any, min_n: Any, max_n: Any, drafter_k: Any, corpus: Any,
-                    gate: Any) -> dict[str, Any]:
-    """The prompt- and corpus-lookup keys, checked (CarryoverConfigError with the fix)."""
+                    gate: Any, suffix: Any) -> dict[str, Any]:
+    """The lookup keys, checked (CarryoverConfigError with the fix)."""
     for key, value in (("prompt_lookup", on), ("corpus_lookup", corpus),
-                       ("drafter_gate", gate)):
+                       ("drafter_gate", gate), ("suffix_lookup", suffix)):
         if not isinstance(value, bool):
             raise CarryoverConfigError(f"'{key}' must be true or false, got {value!r}")
+    if suffix and (on or corpus):
+        # Its request tree is a prompt lookup and its answer tree a corpus learnt while
+        # serving: one or the other, so that each is measured on its own.
+        raise CarryoverConfigError(
+            "'suffix_lookup' replaces 'prompt_lookup' and 'corpus_lookup' (its trees hold "
+            "the request's own text and the server's past answers); set suffix_lookup or "
+            "those two, not both")
     _check_count("prompt_lookup_min", min_n, least=1)
     _check_count("prompt_lookup_max", max_n, least=1)
     if drafter_k is not None:
@@ -189,7 +212,35 @@ def lookup_settings(on: Any, min_n: Any, max_n: Any, drafter_k: Any, corpus: Any
             "make the shortest n-gram at most the longest")
     return {"prompt_lookup": on, "prompt_lookup_min": min_n, "prompt_lookup_max": max_n,
             "prompt_lookup_drafter_k": drafter_k, "corpus_lookup": corpus,
-            "drafter_gate": gate}
+            "drafter_gate": gate, "suffix_lookup": suffix}
+
+
+def check_suffix_keys(spec: dict[str, Any], suffix: bool) -> None:
+    """vLLM's suffix_decoding_* keys (left in `spec` for vLLM's config, where the
+    proposer reads them): only with suffix_lookup, in vLLM's ranges, and arctic-inference
+    importable (CarryoverConfigError with the fix)."""
+    given = [key for key in SUFFIX_KEYS if key in spec]
+    if given and not suffix:
+        raise CarryoverConfigError(
+            f"{given} tune 'suffix_lookup', which is off; add \"suffix_lookup\": true or "
+            "remove them")
+    for key in given:
+        kind, least, most = SUFFIX_KEYS[key]
+        value = spec[key]
+        number = isinstance(value, int if kind is int else (int, float))
+        if (isinstance(value, bool) or not number or value < least
+                or (most is not None and value > most)):
+            what = "an integer" if kind is int else "a number"
+            bound = f"of at least {least}" if most is None else f"in [{least}, {most}]"
+            raise CarryoverConfigError(f"'{key}' must be {what} {bound}, got {value!r}")
+    if suffix:
+        try:
+            import arctic_inference.suffix_decoding  # noqa: F401  (its compiled trees)
+        except ImportError as e:
+            raise CarryoverConfigError(
+                f"'suffix_lookup' needs the arctic-inference package, which does not import "
+                f"here ({e}); run scripts/setup.sh, which builds arctic-inference 0.3.0 "
+                "against this Python, or remove 'suffix_lookup'") from None
 
 
 def _check_count(key: str, n: Any, least: int) -> None:

@@ -3,7 +3,8 @@
 Set `VLLM_CARRYOVER_TRACE=DIR` and every drafting round of every worker writes
 `DIR/<pid>-<round>.pt`: request ids, verify rows (fused target states and their
 positions), rejected and carried counts, bonus tokens, query positions, the
-draft logits and, for a drafter with a Markov head, the drafted tokens. Tests
+draft logits and, for a drafter with a Markov head, the drafted tokens. A step
+that drafts nothing writes its rows alone (no logits): they are context too. Tests
 replay these rounds through the plain PyTorch drafter to check the vLLM path
 against an explicit computation; it is also a debugging aid.
 Off by default; when off it costs nothing.
@@ -33,7 +34,9 @@ class DraftTrace:
         return cls(Path(path)) if path else None
 
     def begin(self, **inputs: torch.Tensor | list[str]) -> None:
-        """Keep a round's inputs until its logits are known."""
+        """Keep a round's inputs until its logits are known (a round begun before
+        and never finished drafted nothing: it is written as context alone)."""
+        self._write_pending()
         self._pending = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
                          for k, v in inputs.items()}
 
@@ -41,10 +44,15 @@ class DraftTrace:
         """Write the round: the backbone's logits and, when given, the drafted tokens."""
         if self._pending is None:
             return
-        record = dict(self._pending, logits=logits.detach().float().cpu())
+        self._pending["logits"] = logits.detach().float().cpu()
         if drafts is not None:
-            record["drafts"] = drafts.detach().cpu()
-        torch.save(record, self.directory / f"{os.getpid()}-{self._round:06d}.pt")
+            self._pending["drafts"] = drafts.detach().cpu()
+        self._write_pending()
+
+    def _write_pending(self) -> None:
+        if self._pending is None:
+            return
+        torch.save(self._pending, self.directory / f"{os.getpid()}-{self._round:06d}.pt")
         self._round += 1
         self._pending = None
 

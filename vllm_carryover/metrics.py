@@ -35,8 +35,8 @@ COUNTERS: dict[str, str] = {
     "carryover_nonempty_slot_rounds": "Request-rounds whose draft attended to a non-empty "
     "carryover slot.",
     "carryover_rejected_states": "Rejected target states carried over into a slot.",
-    "carryover_lookup_rounds": "Request-rounds whose draft began with a lookup's (prompt "
-    "or corpus) tokens.",
+    "carryover_lookup_rounds": "Request-rounds whose draft began with a lookup's (prompt, "
+    "corpus or suffix) tokens.",
     "carryover_lookup_only_steps": "Steps whose drafts all came from lookups, so the "
     "drafter's forward was skipped.",
     "carryover_drafter_gated_off_steps": "Of those, steps in which some request had no "

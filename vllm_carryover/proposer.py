@@ -11,8 +11,10 @@ drafter's length limit, requests that still fit keep drafting (`length_limit`).
 With `"prompt_lookup": true`, requests whose text repeats take the n-gram
 matcher's draft instead of the drafter's (`lookups.prompt`); with `"corpus_lookup":
 true`, requests whose text ends in a phrase the target often writes take its usual
-continuation (`lookups.corpus`); with K by goodput too, whether the drafter drafts for
-the others is measured (`control.drafter_gate`).
+continuation (`lookups.corpus`); with `"suffix_lookup": true`, instead of both,
+arctic-inference's suffix trees of the request's text and of past answers draft
+(`lookups.suffix`); with K by goodput too, whether the drafter drafts for the others is
+measured (`control.drafter_gate`).
 
 The proposer holds the method; its collaborators: `Lookups` (`lookups.beside`: the
 lookups, the gate and their per-round state), `LengthLimit`, the observers that read a
@@ -32,6 +34,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from vllm_carryover.config import CarryoverSettings
 from vllm_carryover.control.step_timer import StepTimer
+from vllm_carryover.deferred_context import DeferredContext
 from vllm_carryover.dflash_base import DFlashBase
 from vllm_carryover.draft_trace import DraftTrace
 from vllm_carryover.drafter.markov_head import draft_left_to_right
@@ -69,6 +72,7 @@ class CarryoverProposer(DFlashBase):
         self.step_timer = StepTimer.from_env(device)
         self._runner = runner  # for request ids in traces and slot checks
         self.slot_checks = SlotChecks.from_env()
+        self.deferred = DeferredContext()  # K = 0 steps' target states, written late
         logger.info("Carryover drafting: context from rejected states is %s.",
                     "on" if self.settings.enabled else "off (matched baseline)")
         if markov := getattr(self.draft_model_config.hf_config, "markov_rank", 0):
@@ -93,6 +97,9 @@ class CarryoverProposer(DFlashBase):
         lookups = self.lookups
         if lookups is not None:
             lookups.step_begins(num_reqs)
+        if k == 0 and self._keeps_for_later(**kwargs):
+            return kwargs["target_hidden_states"].new_empty((num_reqs, 0), dtype=torch.int64)
+        self.deferred.write(self.model)  # before this step's context, which may reuse slots
         if k == 0:
             return self._keep_context_only(**kwargs)
         if lookups is None:
@@ -112,6 +119,31 @@ class CarryoverProposer(DFlashBase):
             # else the runner would verify these drafts against an older step's probs
             self._last_draft_probs = lookups.one_hot(drafts)
         return drafts
+
+    def _keeps_for_later(self, *, target_positions: torch.Tensor,
+                         target_hidden_states: torch.Tensor,
+                         common_attn_metadata: CommonAttentionMetadata,
+                         num_rejected_tokens_gpu: torch.Tensor | None = None,
+                         **kwargs: Any) -> bool:
+        """Keep a K = 0 step's target states for the next step that writes context
+        (`deferred_context`), unless it must write them now: it verified drafts (the
+        rejected rows belong to this round's slot; `_keep_context_only` places them) or
+        some request is past the drafter's length limit (its rows are dropped there).
+        (vLLM hands over a count of rejected drafts, zeros included, whenever it
+        speculates.)"""
+        if self.length_limit.over is not None or (
+                num_rejected_tokens_gpu is not None and bool(num_rejected_tokens_gpu.any())):
+            return False
+        self.num_speculative_tokens = 0  # as vLLM's propose would set it
+        self._last_draft_probs = None
+        if self.trace is not None:  # the rows as the drafter will read them
+            trace_round(self.trace, self, common_attn_metadata, target_positions,
+                        self.model.combine_hidden_states(target_hidden_states),
+                        num_rejected_tokens_gpu, kwargs["next_token_ids"], 0)
+        if self.deferred.keep(target_hidden_states, target_positions,
+                              common_attn_metadata.slot_mapping):
+            self.deferred.write(self.model)  # enough kept
+        return True
 
     @override
     def prepare_next_token_ids_padded(self, sampled_token_ids: torch.Tensor, requests: Any,

@@ -1,4 +1,5 @@
-"""A target stub, and other layouts of a drafter checkpoint (sharded, in an HF cache)."""
+"""A target stub, and other layouts of a drafter checkpoint (sharded, in an HF cache, as
+public DFlash drafters are published)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,15 @@ import json
 import shutil
 from pathlib import Path
 
-from vllm_carryover.drafter.format import WEIGHTS_FILE, WEIGHTS_INDEX
+import torch
+
+from vllm_carryover.drafter.format import (
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX,
+    DrafterConfig,
+    random_state_dict,
+    rope_theta_of,
+)
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -42,3 +51,31 @@ def hub_cache_layout(cache: Path, repo_id: str, folder: Path, revision: str = "m
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     (repo / "refs" / revision).write_text(COMMIT)
     return snapshot
+
+
+def public_dflash_drafter(target: Path, out: Path, *, num_layers: int, block_size: int,
+                          target_layer_ids: list[int], mask_token_id: int) -> Path:
+    """A random DFlash drafter for `target` in the layout public ones are published in
+    (z-lab's: `block_size` and `num_target_layers` at the top level, `mask_token_id` and
+    `target_layer_ids` in `dflash_config`, an `auto_map` to their own code; bf16 weights
+    without embeddings, LM head or rejected embedding)."""
+    from safetensors.torch import save_file
+
+    t = json.loads((target / "config.json").read_text())
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+           "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+           "block_size": block_size, "num_target_layers": t["num_hidden_layers"],
+           "dflash_config": {"mask_token_id": mask_token_id,
+                             "target_layer_ids": target_layer_ids},
+           "hidden_size": t["hidden_size"], "intermediate_size": 3 * t["hidden_size"] // 2,
+           "num_hidden_layers": num_layers, "num_attention_heads": t["num_attention_heads"],
+           "num_key_value_heads": t["num_key_value_heads"], "head_dim": t["head_dim"],
+           "vocab_size": t["vocab_size"], "rms_norm_eps": 1e-6, "rope_theta": rope_theta_of(t),
+           "max_position_embeddings": t["max_position_embeddings"],
+           "layer_types": ["full_attention"] * num_layers, "hidden_act": "silu",
+           "attention_bias": False, "tie_word_embeddings": False, "dtype": "bfloat16"}
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    state = random_state_dict(DrafterConfig.from_dict(cfg), seed=7)
+    save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, str(out / WEIGHTS_FILE))
+    return out

@@ -1,7 +1,8 @@
-"""Tiny random models for fast tests: a Llama target and a drafter for it."""
+"""Tiny random models for fast tests: a Llama target, a drafter for it, a dataset."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -55,3 +56,18 @@ def write_cached_dataset(target: Path, name: str, rows: list[dict]) -> None:
     from vllm_carryover.train.paths import data_dir
 
     write_dataset(data_dir(name), rows, {"target": str(target)})
+
+
+def write_random_dataset(target: Path, name: str) -> None:
+    """15 rows of random prompt and response tokens of the target's vocabulary (3 held
+    out) as dataset `name` in the cache, for training runs of a few steps."""
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(15):
+        n_prompt, n_resp = (int(x) for x in torch.randint(4, 9, (2,), generator=gen))
+        toks = torch.randint(1, vocab, (n_prompt + 3 * n_resp,), generator=gen).tolist()
+        rows.append({"id": f"r{i}", "group": f"g{i}", "category": "chat", "messages": [],
+                     "prompt_ids": toks[:n_prompt], "response_ids": toks[n_prompt:],
+                     "response": "", "split": "heldout" if i % 5 == 0 else "train"})
+    write_cached_dataset(target, name, rows)

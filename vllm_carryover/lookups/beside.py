@@ -5,7 +5,10 @@ request's draft length (`take_lengths`). It also keeps what vLLM hands over betw
 callbacks for this round only (the sampled tokens, the drafter rows worth scoring, the
 draft lengths), and steps the drafter gate (`control.drafter_gate`) where K by goodput
 measures whether the drafter drafts beside the lookups. The free helpers it calls are
-in `lookups.prompt`; the lookups themselves in `lookups.prompt` and `lookups.corpus`.
+in `lookups.prompt`; the lookups themselves in `lookups.prompt` and `lookups.corpus`
+(tried in that order), or instead of both, `lookups.suffix`, which learns from every
+step's batch (`step_begins`), its answer tree seeded from the drafter folder's
+`suffix_seed.npz` where there is one.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from vllm_carryover.lookups.prompt import (
     texts_of,
     write_drafts,
 )
+from vllm_carryover.lookups.suffix import SEED_FILE, SuffixLookup, load_seed
 from vllm_carryover.metrics import CarryoverCounters
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
@@ -52,10 +56,11 @@ class Plan:
 class Lookups:
     """The lookups tried in order per request, and their per-round state."""
 
-    def __init__(self, proposes: list[Propose], drafter_k: int | None, rows_stay_wide: bool,
-                 vocab_size: int, runner: Any, counters: CarryoverCounters,
-                 gate: DrafterGate | None) -> None:
+    def __init__(self, proposes: list[Propose], suffix: SuffixLookup | None,
+                 drafter_k: int | None, rows_stay_wide: bool, vocab_size: int, runner: Any,
+                 counters: CarryoverCounters, gate: DrafterGate | None) -> None:
         self.proposes = proposes  # each a `propose(text, K)`
+        self.suffix = suffix  # instead of `proposes` (config.py refuses both)
         self.drafter_k = drafter_k  # `prompt_lookup_drafter_k`
         self.rows_stay_wide = rows_stay_wide  # async scheduling verifies whole K-wide rows
         self.vocab_size = vocab_size
@@ -65,6 +70,7 @@ class Lookups:
         self.sampled: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's tokens
         self._lengths: dict[str, int] | None = None  # this round's, for `kept_drafts`
         self._scored_rows: int | None = None  # of the drafter's K this round (None: all)
+        self._step_texts: list[np.ndarray | None] | None = None  # this step's (`_texts`)
 
     @classmethod
     def build(cls, settings: Any, vllm_config: Any, model_dir: str, runner: Any,
@@ -83,7 +89,25 @@ class Lookups:
             corpus = CorpusTable.load(path)
             proposes.append(corpus.propose)
             logger.info("Corpus lookup: %d contexts from %s.", len(corpus), path)
-        if not proposes:
+        suffix = None
+        if settings.suffix_lookup:
+            spec = vllm_config.speculative_config  # vLLM's suffix_decoding_* keys
+            suffix = SuffixLookup(spec.suffix_decoding_max_tree_depth,
+                                  spec.suffix_decoding_max_cached_requests,
+                                  spec.suffix_decoding_max_spec_factor,
+                                  spec.suffix_decoding_min_token_prob,
+                                  vllm_config.model_config.max_model_len)
+            logger.info("Suffix lookup: each request's text and up to %d past answers in "
+                        "suffix trees of depth %d (arctic-inference).",
+                        spec.suffix_decoding_max_cached_requests,
+                        spec.suffix_decoding_max_tree_depth)
+            path = Path(model_dir) / SEED_FILE
+            if path.exists():  # `python -m train suffix-seed`; else the answer tree starts empty
+                start = time.perf_counter()
+                fed = suffix.seed(load_seed(path))
+                logger.info("Suffix lookup: %d past answers from %s in the answer tree "
+                            "(%.1f s).", fed, path, time.perf_counter() - start)
+        if not proposes and suffix is None:
             return None
         # With K by goodput, whether the drafter drafts beside the lookups is measured
         # too. Only synchronous scheduling lets a request verify fewer than K drafts.
@@ -93,12 +117,19 @@ class Lookups:
             gate = DrafterGate()
             logger.info("Drafter beside the lookups: on or off per batch size by measured "
                         "goodput.")
-        return cls(proposes, settings.prompt_lookup_drafter_k, rows_stay_wide,
+        return cls(proposes, suffix, settings.prompt_lookup_drafter_k, rows_stay_wide,
                    vllm_config.model_config.get_vocab_size(), runner, counters, gate)
 
     def step_begins(self, num_reqs: int) -> None:
-        """Tell the gate, if any, that a step begins, and what the verification since the
-        last `propose` call emitted."""
+        """Bring the suffix trees, if any, up to this step's batch (every step, K = 0
+        ones too, so they hold all that the server answered), and tell the gate, if any,
+        that a step begins, and what the verification since the last `propose` call
+        emitted."""
+        self._step_texts = None
+        if self.suffix is not None and self.sampled is not None:
+            batch = self._runner.input_batch
+            self.suffix.learn(batch.req_ids[:num_reqs], self._texts(num_reqs),
+                              batch.num_prompt_tokens[:num_reqs])
         if self.gate is None:
             return
         now, tokens = time.perf_counter(), None
@@ -117,7 +148,12 @@ class Lookups:
     def plan(self, num_reqs: int, k: int) -> Plan:
         """This step's proposals, and whether the drafter must run for the requests
         without one (then only its rows a request can keep are scored)."""
-        proposals = first_proposals(self._texts(num_reqs), self.proposes, k)
+        texts = self._texts(num_reqs)
+        if self.suffix is not None:
+            proposals = self.suffix.propose(self._runner.input_batch.req_ids[:num_reqs],
+                                            texts, k)
+        else:
+            proposals = first_proposals(texts, self.proposes, k)
         drafter_k = self._drafter_k(proposals)
         runs = not lookups_suffice(proposals, k, self.rows_stay_wide, drafter_k)
         if runs:
@@ -150,12 +186,15 @@ class Lookups:
         return lengths
 
     def _texts(self, num_reqs: int) -> list[np.ndarray | None]:
-        """Each request's text as this step's drafts continue it (`texts_of`)."""
-        assert self.sampled is not None
-        sampled, discarded = self.sampled
-        batch = self._runner.input_batch
-        return texts_of(batch.token_ids_cpu, batch.num_tokens_no_spec, sampled[:num_reqs],
-                        discarded)
+        """Each request's text as this step's drafts continue it (`texts_of`), built once
+        a step (`step_begins` forgets the last step's)."""
+        if self._step_texts is None:
+            assert self.sampled is not None
+            sampled, discarded = self.sampled
+            batch = self._runner.input_batch
+            self._step_texts = texts_of(batch.token_ids_cpu, batch.num_tokens_no_spec,
+                                        sampled[:num_reqs], discarded)
+        return self._step_texts
 
     def _drafter_k(self, proposals: list[Sequence[int]]) -> int | None:
         """How many of the drafter's tokens the requests without a lookup run draft this

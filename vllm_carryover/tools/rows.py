@@ -17,9 +17,12 @@ from typing import Any
 
 from vllm_carryover.drafter.source import is_hub_id
 from vllm_carryover.lookups.prompt import DEFAULT_MAX_N, DEFAULT_MIN_N
-from vllm_carryover.tools.run_settings import REPO
+from vllm_carryover.tools.run_settings import REPO, SHIPPED_LOOKUPS, SUFFIX_LOOKUPS
 
-DRAFTER_KINDS = ("dflash", "carryover", "carryover-off")
+# The served configurations with lookups beside the drafter: K by goodput and the lookups'
+# keys, carryover as the drafter's default.
+LOOKUP_KINDS = {"carryover-lookup": SHIPPED_LOOKUPS, "carryover-suffix": SUFFIX_LOOKUPS}
+DRAFTER_KINDS = ("dflash", "carryover", "carryover-off", *LOOKUP_KINDS)
 # the n-gram row matches what `"prompt_lookup": true` matches
 NGRAM_LOOKUP = {"prompt_lookup_min": DEFAULT_MIN_N, "prompt_lookup_max": DEFAULT_MAX_N}
 _NAME = re.compile(r"[A-Za-z0-9_.+-]+")
@@ -33,6 +36,13 @@ rows: --row NAME=SPEC (repeatable; the table shows them in this order). SPEC is
   carryover-off:PATH   the same with "carryover": false (the matched baseline; the
                        only baseline row for a drafter with a Markov head, which
                        in-tree dflash cannot serve)
+  carryover-lookup:PATH
+                       the shipped configuration on a drafter folder: K by goodput,
+                       prompt lookup, else corpus lookup, else one drafter token
+  carryover-suffix:PATH
+                       the same with suffix lookup (arctic-inference's trees of the
+                       request's text and of past answers) in place of prompt and
+                       corpus lookup
   {JSON}               any speculative_config; num_speculative_tokens defaults to -k
 NAME= may be left out; the row is then named after SPEC's kind (none, ngram, ...).
 Relative paths are taken from the current directory, else from the repository.
@@ -62,8 +72,8 @@ def parse_row(text: str) -> Row:
     if not (spec in ("none", "ngram") or spec.startswith("{")
             or (kind in DRAFTER_KINDS and spec[len(kind) + 1:])):
         raise argparse.ArgumentTypeError(
-            f"bad row {text!r}: SPEC must be none, ngram, dflash:PATH, carryover:PATH, "
-            "carryover-off:PATH or a JSON speculative_config")
+            f"bad row {text!r}: SPEC must be none, ngram, "
+            f"{', '.join(k + ':PATH' for k in DRAFTER_KINDS)} or a JSON speculative_config")
     if spec.startswith("{"):
         try:
             cfg = json.loads(spec)
@@ -111,6 +121,8 @@ def speculative_config(spec: str, k: int) -> dict[str, Any] | None:
     kind, _, path = spec.partition(":")
     cfg = {"method": "dflash" if kind == "dflash" else "carryover",
            "model": str(resolve_path(path)), "num_speculative_tokens": k}
+    if kind in LOOKUP_KINDS:
+        return cfg | {"num_speculative_tokens_per_batch_size": "goodput", **LOOKUP_KINDS[kind]}
     if kind != "dflash":
         cfg["carryover"] = kind == "carryover"
     return cfg

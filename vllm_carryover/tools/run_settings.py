@@ -23,6 +23,8 @@ DRAFTERS_VAR = "VLLM_CARRYOVER_DRAFTERS"
 # target's usual phrase (corpus lookup), else the drafter's first token; the fastest
 # measured (docs/results.md).
 SHIPPED_LOOKUPS = {"prompt_lookup": True, "corpus_lookup": True, "prompt_lookup_drafter_k": 1}
+# Their rival: arctic-inference's suffix trees in place of prompt and corpus lookup.
+SUFFIX_LOOKUPS = {"suffix_lookup": True, "prompt_lookup_drafter_k": 1}
 # Serving length of every measuring run: the longest held-out prompt (1-2k-token
 # passages) plus its answer fits.
 SERVE_MAX_MODEL_LEN = 4096
