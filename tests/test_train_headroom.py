@@ -36,8 +36,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"target": target, "drafter": drafter, "cache": tmp / "cache"}
 
 
-def brute_force_target_hits(setup: dict[str, Path]) -> tuple[int, int]:
-    """(rejections, target argmax right) with one plain forward per rejection."""
+def brute_force_target_hits(setup: dict[str, Path]) -> tuple[int, int, float]:
+    """(rejections, target argmax right, the target's summed probability of the rejected
+    drafts) with plain forwards per rejection."""
     from transformers import AutoModelForCausalLM
     from vllm_carryover.train.dflash_loss import sample_anchors
     from vllm_carryover.train.draft_verify_draft import draft_verify_draft
@@ -48,6 +49,7 @@ def brute_force_target_hits(setup: dict[str, Path]) -> tuple[int, int]:
     seqs = heldout_sequences(str(setup["target"]), DATA, list(drafter.config.target_layer_ids))
     gen = torch.Generator().manual_seed(1234)
     n = hits = 0
+    p_rejected = 0.0
     with torch.no_grad():
         for seq in seqs:
             anchors = sample_anchors(seq.response_start, seq.tokens.shape[0] - 1, 16, gen)
@@ -61,7 +63,9 @@ def brute_force_target_hits(setup: dict[str, Path]) -> tuple[int, int]:
                 guess = int(full(input_ids=ids[None]).logits[0, -1].argmax())
                 n += 1
                 hits += guess == int(seq.tokens[p + a + 2])
-    return n, hits
+                before = full(input_ids=seq.tokens[None, : p + a + 1]).logits[0, -1]
+                p_rejected += float(before.softmax(-1)[drafts[a]])
+    return n, hits, p_rejected
 
 
 def test_headroom_target_column_matches_brute_force_and_rows_add_up(
@@ -81,6 +85,12 @@ def test_headroom_target_column_matches_brute_force_and_rows_add_up(
         assert 1.0 <= row["walked_tau"] <= 4  # block 4: at most 3 drafts and the bonus
         assert row["either"] <= row["target"] + row["drafter"] + 1e-9
 
-    n, hits = brute_force_target_hits(setup)
+        # the near-miss split adds up to the whole
+        near = row["near"]
+        assert near * row["target_near"] + (1 - near) * row["target_far"] == pytest.approx(
+            row["target"], abs=1e-3)
+
+    n, hits, p_rejected = brute_force_target_hits(setup)
     assert n == table["all"]["rejections"] > 0 and hits > 0
     assert hits / n == pytest.approx(table["all"]["target"], abs=1e-4)
+    assert p_rejected / n == pytest.approx(table["all"]["p_rejected"], abs=1e-3)

@@ -13,6 +13,12 @@ category, for the first draft slot after every rejection:
   drafter  the drafter's own first guess (carryover off) is right
   either   an upper bound for that slot from reading the argmax off the states
 
+and the same split by near misses, where carried states are likeliest to help:
+
+  near         the true token was among the drafter's top 4 at the rejected slot
+  target_near  `target` within the near misses (target_far: within the others)
+  p_rejected   the target's mean probability of the rejected draft token
+
 and, for scale, the drafter's own greedy acceptance length along the anchors a
 speculative run visits (`walked_tau`, the estimate that tracks vLLM's tau).
 """
@@ -27,8 +33,9 @@ from typing import Any
 
 from vllm_carryover.train.paths import DEFAULT_DATA
 
-COLUMNS = ("rejections", "target", "drafter", "either", "walked_tau")
-RATES = COLUMNS[1:4]
+COLUMNS = ("rejections", "target", "drafter", "either", "near", "target_near",
+           "target_far", "p_rejected", "walked_tau")
+NEAR_TOP = 4  # a rejected slot whose true token was this high in the drafter's ranking
 
 
 def headroom(target: str, init: str, data: str, anchors_per_seq: int,
@@ -76,6 +83,12 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
             # verify_inputs' rows are the carried drafts (carryover_slot's rule); the
             # first of each anchor is d_{a+1}
             first_row = row_slot == acc[row_anchor]
+            rows = torch.arange(len(kept))
+            slot_logits, slot_true = first[keep][rows, acc], labels[keep][rows, acc]
+            near = (slot_logits.topk(NEAR_TOP, -1).indices == slot_true[:, None]).any(-1)
+            # the target's probability of d_{a+1} where it chose the true token instead
+            probs = full(input_ids=tokens[None]).logits[0].float().softmax(-1)
+            p_rejected = probs[kept + acc, drafts[keep][rows, acc]]
             target_next = masked_forward(full, ids, pos, visible).logits[0, n_true:][
                 first_row].argmax(-1)
             no_slot = Rejected(torch.empty(0, seq.aux.shape[-1]), row_anchor[:0], row_slot[:0])
@@ -89,10 +102,25 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
                 c["target"] += int(t.sum())
                 c["drafter"] += int(d.sum())
                 c["either"] += int((t | d).sum())
+                c["near"] += int(near.sum())
+                c["target_near"] += int((t & near).sum())
+                c["p_rejected"] += float(p_rejected.sum())
     walked = walked_tau(drafter, seqs)
-    return {name: {"rejections": c["rejections"], **{col: round(c[col] / max(
-        c["rejections"], 1), 4) for col in RATES}, "walked_tau": walked[name]}
-        for name, c in counts.items()}
+    return {name: rates(c) | {"walked_tau": walked[name]} for name, c in counts.items()}
+
+
+def rates(c: Counter[str]) -> dict[str, float]:
+    """One category's counts as the table's columns (shares of its rejections; the
+    near-miss split as shares of the near misses and of the others)."""
+    def share(hits: float, of: float) -> float:
+        return round(hits / max(of, 1), 4)
+
+    n, near = c["rejections"], c["near"]
+    return {"rejections": n, "target": share(c["target"], n), "drafter": share(c["drafter"], n),
+            "either": share(c["either"], n), "near": share(near, n),
+            "target_near": share(c["target_near"], near),
+            "target_far": share(c["target"] - c["target_near"], n - near),
+            "p_rejected": share(c["p_rejected"], n)}
 
 
 def walked_tau(drafter: Any, seqs: list[Any]) -> dict[str, float]:

@@ -18,8 +18,10 @@ measured (`control.drafter_gate`).
 
 The proposer holds the method; its collaborators: `Lookups` (`lookups.beside`: the
 lookups, the gate and their per-round state), `LengthLimit`, the observers that read a
-round (`round_observers`: trace, slot checks) and `DFlashBase` (DFlash as the plugin runs
-it: the drafter class, K = 0 steps, the CPU greedy sample).
+round (`round_observers`: trace, slot checks), `DeferredContext` (a step that drafts
+nothing keeps its target states for the next context write) and `DFlashBase` (DFlash as
+the plugin runs it: the drafter class, steps that only store context, the CPU greedy
+sample).
 """
 
 from __future__ import annotations
