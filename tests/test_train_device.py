@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from support.tiny_models import make_tiny_drafter, make_tiny_target
-from test_train_loop import DATA, recipe_argv, write_tiny_dataset
+from support.tiny_models import make_tiny_drafter, make_tiny_target, write_random_dataset
+from test_train_loop import DATA, recipe_argv
 from vllm_carryover.train import state_cache, target_states
 from vllm_carryover.train.baseline import Sequence, sequence_feed
 from vllm_carryover.train.device import placement, resolve_device
@@ -108,7 +108,7 @@ def tiny_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     drafter = make_tiny_drafter(target, tmp / "drafter", block_size=4)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CARRYOVER_CACHE", str(tmp / "cache"))
-        write_tiny_dataset(target)
+        write_random_dataset(target, DATA)
     return {"target": target, "drafter": drafter, "cache": tmp / "cache"}
 
 
