@@ -198,6 +198,26 @@ def test_draft_verify_draft_end_to_end_equals_brute_force(tiny) -> None:
                                    rtol=ATOL)
 
 
+def test_control_arm_second_draft_is_plain_drafting_at_the_next_anchor(tiny) -> None:
+    """--hide-carried: the second draft sees no carried row (so the rejected embedding
+    gets no gradient) and equals a plain draft at p' = p + a + 1."""
+    target, model = tiny
+    decoder = decoder_for(target)
+    seq = sequence(decoder, 40, seed=6)
+    anchors = torch.tensor([4, 12, 20])
+    k = BLOCK - 1
+    r = draft_verify_draft(model, decoder, seq.tokens, seq.aux, anchors, use_slot=False)
+    assert r.rejected.states.shape[0] == 0 and r.keep.all()
+    r.second_logits.sum().backward()
+    assert model.rejected_embedding.grad is None or not model.rejected_embedding.grad.any()
+    with torch.no_grad():
+        fused = model.fuse(seq.aux)
+        for i, p in enumerate(anchors.tolist()):
+            p2 = p + int(r.accepted[i]) + 1
+            want = model.draft_logits(fused[:p2], torch.arange(p2), int(seq.tokens[p2]), p2, k)
+            torch.testing.assert_close(r.second_logits[i], want, atol=ATOL, rtol=ATOL)
+
+
 def test_no_second_block_inside_the_sequence(tiny) -> None:
     """Anchors too close to the end train only their first draft (no crash, zero loss)."""
     target, model = tiny

@@ -103,7 +103,7 @@ def train_carryover(a: CarryoverArgs) -> Path:
     dcfg = DrafterConfig.from_dict(cfg)
     model = TorchDrafter(dcfg, target_embedding(a.target))
     model.load_checkpoint_state(state)
-    if not model.rejected_embedding.any():
+    if not model.rejected_embedding.any() and not a.hide_carried:
         mark_at_context_scale(model, a.seed)
     model.to(place.device)
     # the rejected embedding is new while the rest is trained: let it move faster
@@ -135,7 +135,8 @@ def train_carryover(a: CarryoverArgs) -> Path:
 
     def seq_loss(seq: Sequence, anchors: torch.Tensor, ids: torch.Tensor | None) -> SeqResult:
         r = draft_verify_draft(model, decoder, seq.tokens, seq.aux, anchors, ids,
-                               first_loss=a.first_draft_weight > 0)
+                               first_loss=a.first_draft_weight > 0,
+                               use_slot=not a.hide_carried)
         lab2 = r.second_labels if ids is None else remap_labels(
             r.second_labels, ids, dcfg.vocab_size)
         loss2, _ = weighted_block_ce(r.second_logits, lab2, weights)
@@ -160,7 +161,9 @@ def train_carryover(a: CarryoverArgs) -> Path:
     print("final heldout " + json.dumps(final))
     done, counts = loop.done, loop.done.counts
     label_tokens = counts["first_label_tokens"] + counts["second_label_tokens"]
-    meta = {"recipe": "dspark-carryover" if dcfg.markov_rank else "carryover",
+    family = "dspark" if dcfg.markov_rank else "dflash"
+    meta = {"recipe": f"{family}-baseline" if a.hide_carried else
+            ("dspark-carryover" if dcfg.markov_rank else "carryover"),
             "steps": done.step, "trained_label_tokens": label_tokens,
             **counts, "train_seconds": round(done.train_seconds, 1),
             "label_tokens_per_s": round(label_tokens / max(done.train_seconds, 1e-9), 1),

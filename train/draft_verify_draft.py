@@ -184,12 +184,14 @@ def second_draft_logits(model: TorchDrafter, ctx_k: torch.Tensor, ctx_v: torch.T
 def draft_verify_draft(model: TorchDrafter, decoder: Any, tokens: torch.Tensor,
                        aux: torch.Tensor, anchors: torch.Tensor,
                        head_ids: torch.Tensor | None = None,
-                       first_loss: bool = True) -> DraftVerifyDraft:
+                       first_loss: bool = True, use_slot: bool = True) -> DraftVerifyDraft:
     """The whole pass for one sequence; logits carry gradients into the drafter.
 
     Drafts are always the full-vocabulary greedy ones (what inference proposes:
     left to right through a Markov head); `head_ids` restricts only the trained
     logits (sampled softmax), which are teacher-forced through a Markov head.
+    `use_slot=False` is the control: the second draft without carried rows, so no
+    verify pass is needed.
     """
     d = model.config
     num_drafts = d.block_size - 1
@@ -211,11 +213,15 @@ def draft_verify_draft(model: TorchDrafter, decoder: Any, tokens: torch.Tensor,
     labels = blocks.labels
     accepted = accepted_length(drafts, labels)
     keep = second_anchor_ok(anchors, accepted, num_drafts, tokens.shape[0])
-    rej = rejected_states(decoder, tokens, anchors[keep], drafts[keep], accepted[keep],
-                          d.target_layer_ids)
-    rej.states = rej.states.to(aux.dtype).float()  # same precision as the cached context
+    if use_slot:
+        rej = rejected_states(decoder, tokens, anchors[keep], drafts[keep], accepted[keep],
+                              d.target_layer_ids)
+        rej.states = rej.states.to(aux.dtype).float()  # same precision as the cached context
+    else:
+        none = anchors.new_zeros(0)
+        rej = Rejected(aux.new_zeros(0, aux.shape[-1]).float(), none, none)
     with restricted_head(model, head_ids):
         second, labels2 = second_draft_logits(model, ctx_k, ctx_v, tokens, anchors[keep],
-                                              accepted[keep], rej)
+                                              accepted[keep], rej, use_slot)
     return DraftVerifyDraft(anchors, drafts, accepted, first, labels, keep, rej, second,
                             labels2)

@@ -157,14 +157,18 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
                    "cache, else this Hugging Face hub id (resolved as serving resolves it: "
                    "the HF cache, HF_HUB_OFFLINE); a public DFlash drafter (e.g. "
                    "z-lab/Qwen3-8B-DFlash-b16 for Qwen/Qwen3-8B) keeps its depth, block size "
-                   "and target layers and gets a rejected embedding, starting at zero; "
-                   "default: the shipped SmolLM2 baseline drafter")
+                   "and target layers and gets a rejected embedding, a random direction at "
+                   "a context row's norm; default: the shipped SmolLM2 baseline drafter")
     c.add_argument("--first-draft-weight", type=float, default=CarryoverArgs.first_draft_weight,
                    help="lambda: weight of the plain (empty-slot) first-draft loss "
                    "(default: %(default)s)")
     c.add_argument("--rejected-lr-mult", type=float, default=CarryoverArgs.rejected_lr_mult,
-                   help="learning-rate multiplier of the rejected embedding, which starts at "
-                   "zero (default: %(default)s)")
+                   help="learning-rate multiplier of the rejected embedding, which is new "
+                   "while the rest is trained (default: %(default)s)")
+    c.add_argument("--hide-carried", action="store_true",
+                   help="the control arm: the same recipe, data and steps with the carried "
+                   "rows hidden from the second draft (and no verify pass), i.e. the "
+                   "baseline continued alike, to set carryover's gain against")
     c.set_defaults(fn=cmd_carryover)
 
     e = sub.add_parser(

@@ -76,6 +76,7 @@ class CarryoverArgs(TrainArgs):
     init: str = str(CHECKPOINTS / "smollm2-135m-instruct" / "dflash-baseline")
     first_draft_weight: float = 1.0
     rejected_lr_mult: float = 10.0
+    hide_carried: bool = False
 
 
 def add_train_options(p: argparse.ArgumentParser, d: TrainArgs) -> None:
