@@ -12,7 +12,7 @@ concurrency-16 run) are summed apart and printed as totals:
   target forward    the target model over the verified rows (1 + K per request)
   sampling          the rejection sampler (or plain sampler)
   drafter propose   the proposer's whole `propose` call, of which
-    lookups         with --lookups: prompt and corpus lookup over each request's text
+    lookups         with --lookups: the suffix lookup learning and proposing
     context proj.   projecting the verified (and rejected) target states to K/V
     drafter fwd     the drafter layers over the query block
     LM head         the drafter's logits over its (draft) vocabulary
@@ -26,7 +26,7 @@ does with `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (the benchmarks' default).
 
     python -m benchmarks.step_profile --batch 1
     python -m benchmarks.step_profile --batch 16 --drafter DIR --dtype bfloat16
-    python -m benchmarks.step_profile --batch 1 --lookups    # the shipped lookups too
+    python -m benchmarks.step_profile --batch 1 --lookups    # the shipped lookup too
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def main() -> None:
                    help="drafted tokens per step; 0: none, through vLLM's batch-size schedule "
                    "(the drafter still keeps its context, as K by goodput does at K=0)")
     p.add_argument("--lookups", action="store_true",
-                   help="the shipped lookups beside the drafter (prompt lookup, corpus "
-                   "lookup, else the drafter's first token), at a fixed K")
+                   help="the shipped lookup beside the drafter (the suffix lookup, else "
+                   "the drafter's first token), at a fixed K")
     p.add_argument("--dtype", default="auto", help="auto: the machine's fastest")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
@@ -106,7 +106,6 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm_carryover.benchmarks.eval_prompts import chat_token_ids, heldout_prompts
 
-    import vllm_carryover.lookups.beside
     from vllm_carryover.dtype import resolve_dtype
     from vllm_carryover.tools.run_settings import SHIPPED_DRAFTERS, SHIPPED_LOOKUPS, resolve_target
 
@@ -137,7 +136,8 @@ def main() -> None:
         timer.wrap(runner.drafter, "propose", "drafter propose")
         if runner.drafter.lookups is not None:
             timer.wrap(runner.drafter.lookups, "_texts", "lookups")
-            timer.wrap(vllm_carryover.lookups.beside, "first_proposals", "lookups")
+            timer.wrap(runner.drafter.lookups.suffix, "learn", "lookups")
+            timer.wrap(runner.drafter.lookups.suffix, "propose", "lookups")
         timer.wrap(drafter_model, "precompute_and_store_context_kv", "context proj.")
         timer.wrap(drafter_model, "forward", "drafter fwd")
         # the draft-vocabulary path calls the processor itself (proposer._greedy_sample)

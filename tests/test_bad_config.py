@@ -138,9 +138,7 @@ class BadInput:
     vllm_only: bool = False
 
 
-LOOKUP_OFF = {"prompt_lookup": False, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
-              "prompt_lookup_drafter_k": None, "corpus_lookup": False, "drafter_gate": True,
-              "suffix_lookup": False}
+LOOKUP_OFF = {"suffix_lookup": False, "lookup_drafter_k": None, "drafter_gate": True}
 
 BAD_INPUTS: dict[str, BadInput] = {
     # the speculative config itself
@@ -170,30 +168,27 @@ BAD_INPUTS: dict[str, BadInput] = {
     "k_schedule_unknown_word": BadInput(("'num_speculative_tokens_per_batch_size' must be "
                                          "\"goodput\" or a list", "got 'auto'"),
                                         spec={"num_speculative_tokens_per_batch_size": "auto"}),
-    "prompt_lookup_not_bool": BadInput(("'prompt_lookup' must be true or false, got 1",),
-                                       spec={"prompt_lookup": 1}),
-    "prompt_lookup_n_zero": BadInput(("'prompt_lookup_max' must be an integer of at least 1, "
-                                      "got 0",), spec={"prompt_lookup_max": 0}),
-    "prompt_lookup_min_above_max": BadInput(
-        ("'prompt_lookup_min' (5) is above 'prompt_lookup_max' (4); make the shortest",),
-        spec={"prompt_lookup": True, "prompt_lookup_min": 5}),
-    "prompt_lookup_drafter_k_above_k": BadInput(
-        ("'prompt_lookup_drafter_k' (5) is above num_speculative_tokens (4); use 0..4",),
-        spec={"prompt_lookup": True, "prompt_lookup_drafter_k": 5}),
+    # the keys of the lookups the suffix lookup replaced: each names its replacement
+    "prompt_lookup_replaced": BadInput(
+        ("'prompt_lookup' was replaced by \"suffix_lookup\": true, whose trees hold the "
+         "request's own text and the server's past answers",), spec={"prompt_lookup": True}),
+    "corpus_lookup_replaced": BadInput(
+        ("'corpus_lookup' was replaced by \"suffix_lookup\": true",),
+        spec={"corpus_lookup": True}),
+    "prompt_lookup_ngram_lengths_gone": BadInput(
+        ("'prompt_lookup_min' went with 'prompt_lookup'",
+         "'prompt_lookup_max' went with 'prompt_lookup'", "suffix_decoding_max_tree_depth"),
+        spec={"prompt_lookup_min": 2, "prompt_lookup_max": 4}),
+    "prompt_lookup_drafter_k_renamed": BadInput(
+        ("'prompt_lookup_drafter_k' is now 'lookup_drafter_k'",),
+        spec={"suffix_lookup": True, "prompt_lookup_drafter_k": 1}),
+    "lookup_drafter_k_above_k": BadInput(
+        ("'lookup_drafter_k' (5) is above num_speculative_tokens (4); use 0..4",),
+        spec={"suffix_lookup": True, "lookup_drafter_k": 5}),
     "drafter_gate_not_bool": BadInput(("'drafter_gate' must be true or false, got 0",),
                                       spec={"drafter_gate": 0}),
-    "corpus_lookup_not_bool": BadInput(("'corpus_lookup' must be true or false, got 'yes'",),
-                                       spec={"corpus_lookup": "yes"}),
-    "corpus_lookup_without_its_table": BadInput(
-        ("'corpus_lookup' needs corpus_table.npz in the drafter folder",
-         "build it with `python -m train corpus-table --drafter"),
-        spec={"corpus_lookup": True}),
     "suffix_lookup_not_bool": BadInput(("'suffix_lookup' must be true or false, got 1",),
                                        spec={"suffix_lookup": 1}),
-    "suffix_lookup_beside_prompt_lookup": BadInput(
-        ("'suffix_lookup' replaces 'prompt_lookup' and 'corpus_lookup'",
-         "set suffix_lookup or those two, not both"),
-        spec={"suffix_lookup": True, "prompt_lookup": True}),
     "suffix_key_without_suffix_lookup": BadInput(
         ("['suffix_decoding_max_tree_depth'] tune 'suffix_lookup', which is off",),
         spec={"suffix_decoding_max_tree_depth": 16}),
@@ -203,9 +198,16 @@ BAD_INPUTS: dict[str, BadInput] = {
     "suffix_tree_depth_fractional": BadInput(
         ("'suffix_decoding_max_tree_depth' must be an integer of at least 1, got 2.5",),
         spec={"suffix_lookup": True, "suffix_decoding_max_tree_depth": 2.5}),
-    "prompt_lookup_drafter_k_negative": BadInput(
-        ("'prompt_lookup_drafter_k' must be an integer of at least 0, got -1",),
-        spec={"prompt_lookup_drafter_k": -1}),
+    "lookup_drafter_k_negative": BadInput(
+        ("'lookup_drafter_k' must be an integer of at least 0, got -1",),
+        spec={"lookup_drafter_k": -1}),
+    "suffix_lookup_beside_a_slot_proposal_drafter": BadInput(
+        ("reads the suffix lookup's proposals in its draft slots (slot_proposals in its "
+         "config.json)", "remove ['suffix_lookup', 'suffix_decoding_min_token_prob']"),
+        spec={"suffix_lookup": True, "suffix_decoding_min_token_prob": 0.5},
+        break_drafter=set_config(slot_proposals={
+            "source": "suffix", "max_tree_depth": 24, "max_cached_requests": 10000,
+            "min_token_prob": 0.0, "max_spec_factor": 8.0})),
     "unpadded_drafter_batch": BadInput(("needs vLLM's padded drafter batch",
                                         "remove 'disable_padded_drafter_batch'"),
                                        spec={"disable_padded_drafter_batch": True}),
@@ -367,13 +369,12 @@ def test_goodput_k_turns_on_vllms_dynamic_k_and_tells_the_scheduler(smollm2, ran
         "enabled": True, "goodput_k": True, **LOOKUP_OFF}
 
 
-def test_prompt_lookup_reaches_the_workers_with_its_ngram_lengths(smollm2, random_drafter):
-    config = engine_config(smollm2, carryover(random_drafter, prompt_lookup=True,
-                                              prompt_lookup_max=3, prompt_lookup_drafter_k=1))
+def test_lookup_drafter_k_reaches_the_workers_with_the_suffix_lookup(smollm2, random_drafter):
+    config = engine_config(smollm2, carryover(random_drafter, suffix_lookup=True,
+                                              lookup_drafter_k=1))
     assert config.speculative_config.draft_model_config.hf_config.carryover_runtime == {
-        "enabled": True, "goodput_k": False, "prompt_lookup": True, "prompt_lookup_min": 2,
-        "prompt_lookup_max": 3, "prompt_lookup_drafter_k": 1, "corpus_lookup": False,
-        "drafter_gate": True, "suffix_lookup": False}
+        "enabled": True, "goodput_k": False, "suffix_lookup": True, "lookup_drafter_k": 1,
+        "drafter_gate": True}
 
 
 def test_suffix_lookup_reaches_the_workers_with_vllms_suffix_keys(smollm2, random_drafter):

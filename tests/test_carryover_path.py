@@ -64,12 +64,14 @@ def replay(rounds: list[dict], drafter: TorchDrafter,
             slot = states[end - carried:end]
             slot_pos = pos[end - carried:end]
             args = (ctx, torch.tensor(ctx_pos), int(rec["next_token_ids"][i]), block_start, K)
+            query_ids = rec["query_ids"][i * (K + 1):(i + 1) * (K + 1)]
+            assert int(query_ids[0]) == args[2]  # each block opens with its bonus token
             with torch.no_grad():
-                expected = drafter.draft_logits(*args, slot, slot_pos)
-                without_slot = drafter.draft_logits(*args)
+                expected = drafter.draft_logits(*args, slot, slot_pos, query_ids[1:])
+                without_slot = drafter.draft_logits(*args, slot_ids=query_ids[1:])
             results.append(dict(req=req, carried=carried, first_position=int(pos[start]),
                                 expected=expected, without_slot=without_slot, slot=slot,
-                                slot_pos=slot_pos, args=args,
+                                slot_pos=slot_pos, args=args, query_ids=query_ids,
                                 got=rec["logits"][i * K:(i + 1) * K],
                                 drafts=rec["drafts"][i] if "drafts" in rec else None))
     return results
@@ -77,7 +79,9 @@ def replay(rounds: list[dict], drafter: TorchDrafter,
 
 def traced_run(tiny: tuple[Path, Path], tmp: Path, prompts: list[list[int]],
                carryover: bool = True, shared_prefix: bool = False,
-               k_schedule: list[list[int]] | None = None, **engine) -> list[dict]:
+               k_schedule: list[list[int]] | None = None, outputs: list | None = None,
+               **engine) -> list[dict]:
+    """Replayed rounds of an engine run; the generated token ids go to `outputs`."""
     target, drafter_dir = tiny
     spec = {"method": "carryover", "model": str(drafter_dir), "num_speculative_tokens": K,
             "carryover": carryover}
@@ -85,7 +89,9 @@ def traced_run(tiny: tuple[Path, Path], tmp: Path, prompts: list[list[int]],
         spec["num_speculative_tokens_per_batch_size"] = k_schedule
     job = {"model": str(target), "prompts": prompts, "max_tokens": 24,
            "engine": {"speculative_config": spec, "max_num_batched_tokens": 48, **engine}}
-    run_engine(job, tmp, "trace", env={ENV: str(tmp / "trace")})
+    out = run_engine(job, tmp, "trace", env={ENV: str(tmp / "trace")})
+    if outputs is not None:
+        outputs.extend(out["token_ids"])
     return replay(load_rounds(tmp / "trace"), torch_drafter_for(drafter_dir, target),
                   shared_prefix)
 
@@ -115,6 +121,44 @@ def test_vllm_draft_logits_equal_explicit_attention_over_context_and_slot(traced
     for r in results:
         if r["carried"] == 0:
             torch.testing.assert_close(r["got"], r["without_slot"], atol=2e-4, rtol=2e-4)
+
+
+def test_slot_proposal_drafter_reads_its_requests_suffix_tree_in_its_query_block(
+        tiny, tmp_path):
+    """A drafter trained on the suffix lookup's proposals (`slot_proposals` in its
+    config.json): every query block holds, after the bonus token, what a suffix tree of
+    the request's text so far proposes (one request and no seed: its own tree is the
+    only one), mask tokens past it, and the draft logits are the drafter's over exactly
+    those ids."""
+    import json
+    import shutil
+
+    from vllm_carryover.lookups.suffix import SuffixLookup
+    from vllm_carryover.lookups.texts import WholeTexts
+
+    target, drafter_dir = tiny
+    slots = {"source": "suffix", "max_tree_depth": 24, "max_cached_requests": 10000,
+             "min_token_prob": 0.0, "max_spec_factor": 8.0}
+    drafter = Path(shutil.copytree(drafter_dir, tmp_path / "slot-drafter"))
+    cfg = json.loads((drafter / "config.json").read_text())
+    (drafter / "config.json").write_text(json.dumps(cfg | {"slot_proposals": slots}))
+    prompt = [7, 8, 9, 10, 11, 12] * 4 + [7, 8]  # a repeating prompt: its tree proposes
+    outputs: list[list[int]] = []
+    results = traced_run((target, drafter), tmp_path, [prompt], carryover=False,
+                         outputs=outputs)
+    text = prompt + outputs[0]
+    filled = 0
+    for r in results:
+        torch.testing.assert_close(r["got"], r["expected"], atol=2e-4, rtol=2e-4)
+        block_start = r["args"][3]
+        lookup = SuffixLookup(24, 10000, 8.0, 0.0, max_model_len=1 << 20)
+        seen = WholeTexts([torch.tensor(text[:block_start + 1]).numpy()])
+        lookup.learn(["req"], seen, [len(prompt)])
+        want = list(lookup.propose(["req"], seen, K)[0])
+        mask = cfg["dflash_config"]["mask_token_id"]
+        assert r["query_ids"][1:].tolist() == want + [mask] * (K - len(want))
+        filled += len(want)
+    assert filled > 2 * len(results)
 
 
 def test_markov_drafter_drafts_left_to_right_through_its_head_over_the_same_backbone(

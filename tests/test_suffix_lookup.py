@@ -9,8 +9,10 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from vllm_carryover.lookups.suffix import SEED_FILE, SuffixLookup, load_seed, save_seed
+from vllm_carryover.lookups.texts import StepTexts, WholeTexts
 
 PROMPT = np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=np.int32)
 
@@ -24,7 +26,7 @@ def lookup(max_cached_requests: int = 10000, max_model_len: int = 1024) -> Suffi
 def step(suffix: SuffixLookup, batch: dict[str, np.ndarray | None], k: int = 4,
          prompt_len: int = len(PROMPT)) -> list:
     """One step of `batch` (request id -> its text, None in a prefill chunk)."""
-    req_ids, texts = list(batch), list(batch.values())
+    req_ids, texts = list(batch), WholeTexts(list(batch.values()))
     suffix.learn(req_ids, texts, [prompt_len] * len(batch))
     return [list(p) for p in suffix.propose(req_ids, texts, k)]
 
@@ -194,7 +196,7 @@ def test_the_lookups_learn_every_step_and_fill_the_drafts_with_the_trees_proposa
 
     runner = SimpleNamespace(input_batch=batch(["a", "b"], [[*PROMPT, 9, 1], [*PROMPT, 30]]))
     suffix = lookup()
-    lookups = Lookups([], suffix, 1, False, 64, runner, CarryoverCounters(None), None)
+    lookups = Lookups(suffix, 1, False, 64, runner, CarryoverCounters(None), None)
     lookups.sampled = (torch.tensor([[2, -1], [31, -1]]), torch.tensor([False, False]))
     lookups.step_begins(2)
     plan = lookups.plan(2, 4)
@@ -209,3 +211,76 @@ def test_the_lookups_learn_every_step_and_fill_the_drafts_with_the_trees_proposa
     lookups.step_begins(1)  # a K = 0 step: no plan
     assert list(suffix.cache.active_requests) == ["b"]
     assert suffix._learned == {"b": len(PROMPT) + 3}
+
+
+def test_a_steps_texts_are_the_committed_tokens_then_this_steps_sampled_ones() -> None:
+    """`StepTexts` over vLLM's token table and the step's sampled tokens (-1 where
+    rejected): any piece of a request's text without building the whole; a prefill
+    chunk that sampled nothing has none."""
+    table = np.array([[1, 2, 3, 0, 0, 0], [4, 5, 0, 0, 0, 0], [6, 7, 8, 9, 0, 0]],
+                     dtype=np.int32)
+    sampled = torch.tensor([[10, 11, -1], [12, -1, -1], [99, -1, -1]])
+    discarded = torch.tensor([False, False, True, False])  # vLLM's mask is max_num_reqs long
+    texts = StepTexts(table, np.array([3, 2, 4]), sampled, discarded)
+    assert [texts.length(i) for i in range(3)] == [5, 3, None]
+    assert texts.whole(0).tolist() == [1, 2, 3, 10, 11] and texts.whole(2) is None
+    assert texts.whole(1).tolist() == [4, 5, 12]
+    whole = [1, 2, 3, 10, 11]
+    for start in range(6):
+        for stop in (None, *range(start, 6)):
+            assert texts.piece(0, start, stop).tolist() == whole[start:stop], (start, stop)
+
+
+def test_learning_and_proposing_from_a_steps_pieces_equal_the_whole_texts() -> None:
+    """Over 40 steps of a changing batch (new requests, a prefill chunk that sampled
+    nothing, K = 0 steps, a preempted request that returns, finished ones), the trees
+    fed through `StepTexts` (only the tokens not yet learned, the last tree-depth tokens
+    to match) draft exactly what trees fed the whole texts draft, and hold the same."""
+    rng = np.random.default_rng(1)
+    by_pieces, by_whole = lookup(max_cached_requests=8), lookup(max_cached_requests=8)
+    for suffix in (by_pieces, by_whole):
+        suffix.max_tree_depth = 6  # shorter than the texts: only their ends are matched
+    texts: dict[str, np.ndarray] = {}
+    prompts: dict[str, int] = {}
+    proposals = 0
+    for s in range(40):
+        running = [f"r{i}" for i in range(s // 4, s // 4 + 3) if not (s == 20 and i == 6)]
+        for r in running:
+            if r not in texts:
+                prompts[r] = int(rng.integers(3, 9))
+                texts[r] = rng.integers(0, 12, prompts[r]).astype(np.int32)
+        # this step's sampled tokens: 0..3 per request (0: rejected all, or a prefill chunk)
+        sampled = np.full((len(running), 4), -1, dtype=np.int64)
+        chunk = np.array([s % 9 == 0 and i == 0 for i in range(len(running))])
+        for i in range(len(running)):
+            n = 0 if chunk[i] else int(rng.integers(1, 4))
+            sampled[i, :n] = rng.integers(0, 12, n)
+        table = np.zeros((len(running), 200), dtype=np.int32)
+        for i, r in enumerate(running):
+            table[i, :len(texts[r])] = texts[r]
+        step_texts = StepTexts(table, np.array([len(texts[r]) for r in running]),
+                               torch.from_numpy(sampled), torch.from_numpy(chunk))
+        whole = [None if chunk[i] else np.concatenate(
+            (texts[r], sampled[i][sampled[i] >= 0].astype(np.int32)))
+            for i, r in enumerate(running)]
+        prompt_lens = [prompts[r] for r in running]
+        by_pieces.learn(running, step_texts, prompt_lens)
+        by_whole.learn(running, WholeTexts(whole), prompt_lens)
+        k = 0 if s % 5 == 4 else 4  # a K = 0 step learns but drafts nothing
+        if k:
+            drafted = [list(p) for p in by_pieces.propose(running, step_texts, k)]
+            assert drafted == [list(p) for p in by_whole.propose(running, WholeTexts(whole), k)]
+            proposals += sum(map(bool, drafted))
+        for i, r in enumerate(running):
+            if whole[i] is not None:
+                texts[r] = whole[i]
+        assert by_pieces._learned == by_whole._learned
+        assert list(by_pieces.cache.cached_requests) == list(by_whole.cache.cached_requests)
+    assert proposals > 30  # most steps' requests drafted something
+    # the same trees: every request's own text and the answers draft the same
+    probe = [np.array([t], dtype=np.int32) for t in range(12)]
+    ids = [f"probe{t}" for t in range(12)]
+    for suffix in (by_pieces, by_whole):
+        suffix.learn(ids, WholeTexts(probe), [1] * 12)
+    assert ([list(p) for p in by_pieces.propose(ids, WholeTexts(probe), 4)]
+            == [list(p) for p in by_whole.propose(ids, WholeTexts(probe), 4)])

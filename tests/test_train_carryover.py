@@ -218,6 +218,42 @@ def test_control_arm_second_draft_is_plain_drafting_at_the_next_anchor(tiny) -> 
             torch.testing.assert_close(r.second_logits[i], want, atol=ATOL, rtol=ATOL)
 
 
+def test_slot_proposals_fill_the_slots_of_both_drafts_at_their_own_anchors(tiny) -> None:
+    """A slot-proposal drafter (train/slot_proposals.py): row p of the proposals fills
+    the block anchored at p, in the first draft and in the second at p' = p + a + 1;
+    slots without a proposal keep the mask token."""
+    target, model = tiny
+    decoder = decoder_for(target)
+    seq = sequence(decoder, 40, seed=6)
+    anchors, k = torch.tensor([4, 12, 20]), BLOCK - 1
+    gen = torch.Generator().manual_seed(3)
+    proposals = torch.randint(1, 256, (40, k), generator=gen)
+    proposals[torch.rand(40, k, generator=gen) < 0.3] = -1
+    mask = model.config.mask_token_id
+
+    def by_hand(p: int) -> torch.Tensor:
+        """The block at p, its slots filled one by one, drafted over the context < p."""
+        ids = torch.tensor([int(seq.tokens[p])] + [
+            int(t) if t >= 0 else mask for t in proposals[p]])
+        ctx_k, ctx_v = context_kv(model, seq.aux)
+        visible = (torch.arange(ctx_k.shape[1]) < p)[None]
+        out = model(ids[None], torch.arange(p, p + BLOCK)[None], ctx_k[:, None],
+                    ctx_v[:, None], visible)
+        return model.teacher_forced(out[:, 1:], torch.cat(
+            [ids[:1], seq.tokens[p + 1:p + k]])[None])[0]
+
+    with torch.no_grad():
+        r = draft_verify_draft(model, decoder, seq.tokens, seq.aux, anchors,
+                               use_slot=False, proposals=proposals)
+        for i, p in enumerate(anchors.tolist()):
+            torch.testing.assert_close(r.first_logits[i], by_hand(p), atol=ATOL, rtol=ATOL)
+            torch.testing.assert_close(r.second_logits[i], by_hand(p + int(r.accepted[i]) + 1),
+                                       atol=ATOL, rtol=ATOL)
+        plain = draft_verify_draft(model, decoder, seq.tokens, seq.aux, anchors,
+                                   use_slot=False)
+        assert not torch.allclose(plain.first_logits, r.first_logits)
+
+
 def test_no_second_block_inside_the_sequence(tiny) -> None:
     """Anchors too close to the end train only their first draft (no crash, zero loss)."""
     target, model = tiny

@@ -1,6 +1,7 @@
-"""`python -m train lookup-headroom` on a tiny Llama: prompt lookup proposes what followed
-the text's end earlier, and on responses that repeat their prompt the lookup's walks
-accept long runs where a random drafter accepts next to nothing."""
+"""`python -m train lookup-headroom` on a tiny Llama: the suffix lookup, set up as
+serving sets it up, proposes what followed the text's end earlier in the request or in
+a seeded answer, and on responses that repeat their prompt its walks accept long runs
+where a random drafter accepts next to nothing."""
 
 from __future__ import annotations
 
@@ -12,28 +13,50 @@ import pytest
 import torch
 from support.tiny_models import make_tiny_drafter, make_tiny_target
 from vllm_carryover.train.data import write_dataset
-from vllm_carryover.train.lookup_headroom import NO_DRAFT, POLICIES, anchored_drafts
+from vllm_carryover.train.lookup_headroom import (
+    NO_DRAFT,
+    POLICIES,
+    anchored_drafts,
+    serving_suffix_lookup,
+)
 from vllm_carryover.train.main import main
 from vllm_carryover.train.paths import data_dir
 
-from vllm_carryover.lookups.prompt import DEFAULT_MAX_N, DEFAULT_MIN_N, PromptLookup
-
 VOCAB = 64
-LOOKUP = PromptLookup(DEFAULT_MIN_N, DEFAULT_MAX_N, 1 << 30).propose
 DATA = "tiny-lookup"
 
 
-def test_lookup_proposes_what_followed_the_earlier_occurrence() -> None:
+def test_the_lookup_proposes_what_followed_the_texts_end_in_the_request() -> None:
+    """The request's tree holds its prompt and its response up to the anchor: the
+    drafts continue the longest match of the text's end, at most as many tokens as the
+    match is long (vLLM's max_spec_factor 1), and the request leaves the trees after."""
+    suffix = serving_suffix_lookup([])
     tokens = torch.tensor([5, 6, 7, 8, 9, 1, 2, 5, 6, 7, 8, 3])
-    drafts, proposed = anchored_drafts(tokens, start=7, num_drafts=3, propose=LOOKUP)
-    # anchor 7 ends in "2 5": no earlier "2 5"; anchor 8 ends in "5 6", anchor 9 in "5 6 7"
-    assert proposed.tolist() == [False, True, True, True]
-    assert drafts[0].tolist() == [NO_DRAFT] * 3
-    assert drafts[1].tolist() == [7, 8, 9]
-    assert drafts[2].tolist() == [8, 9, 1]
-    _, never = anchored_drafts(torch.arange(1, 12), start=2, num_drafts=3,
-                               propose=LOOKUP)
+    drafts, proposed = anchored_drafts(tokens, start=7, num_drafts=3, suffix=suffix)
+    # anchor 7 ends in "5" (one token matched), 8 in "5 6", 9 in "5 6 7", 10 in "6 7 8"
+    assert proposed.tolist() == [True] * 4
+    assert drafts.tolist() == [[6, NO_DRAFT, NO_DRAFT], [7, 8, NO_DRAFT], [8, 9, 1],
+                               [9, 1, 2]]
+    assert not suffix.cache.active_requests and not suffix.cache.cached_requests
+    _, never = anchored_drafts(torch.arange(1, 12), start=2, num_drafts=3, suffix=suffix)
     assert not never.any()  # no repeats, no proposals
+
+
+def test_the_lookup_drafts_a_seeded_answer_and_no_earlier_walked_response() -> None:
+    """The answer tree holds the seed (the train split's answers) throughout; a walked
+    response leaves it, so a later held-out response that repeats it drafts nothing."""
+    seeded = serving_suffix_lookup([[40, 41, 42, 43]])
+    drafts, proposed = anchored_drafts(torch.tensor([1, 2, 40, 41, 42, 9]), start=2,
+                                       num_drafts=3, suffix=seeded)
+    assert drafts[:2].tolist() == [[41, NO_DRAFT, NO_DRAFT], [42, 43, NO_DRAFT]]
+    assert proposed.tolist() == [True, True, True]  # anchor 4 ends in "40 41 42": 43
+    assert list(seeded.cache.cached_requests) == [0]  # the seed, not the walked response
+    unseeded = serving_suffix_lookup([])
+    anchored_drafts(torch.tensor([1, 2, 40, 41, 42, 9]), start=2, num_drafts=3,
+                    suffix=unseeded)
+    _, again = anchored_drafts(torch.tensor([3, 4, 40, 41, 42, 9]), start=2, num_drafts=3,
+                               suffix=unseeded)
+    assert not again.any()
 
 
 def walk_heldout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

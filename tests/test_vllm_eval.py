@@ -59,12 +59,8 @@ def eval_parser() -> argparse.ArgumentParser:
     ("dflash:/d", "dflash", {"method": "dflash", "model": "/d", "num_speculative_tokens": K}),
     ("carryover-lookup:/d", "carryover-lookup", {
         "method": "carryover", "model": "/d", "num_speculative_tokens": K,
-        "num_speculative_tokens_per_batch_size": "goodput", "prompt_lookup": True,
-        "corpus_lookup": True, "prompt_lookup_drafter_k": 1}),
-    ("carryover-suffix:/d", "carryover-suffix", {
-        "method": "carryover", "model": "/d", "num_speculative_tokens": K,
         "num_speculative_tokens_per_batch_size": "goodput", "suffix_lookup": True,
-        "prompt_lookup_drafter_k": 1}),
+        "lookup_drafter_k": 1}),
     ('{"method": "carryover", "model": "/d", "num_speculative_tokens": 1}', "carryover",
      {"method": "carryover", "model": "/d", "num_speculative_tokens": 1}),
 ])

@@ -30,6 +30,7 @@ from vllm_carryover.train.dflash_loss import (
 from vllm_carryover.train.draft_verify_draft import block_logits_over, context_kv
 from vllm_carryover.train.options import BaselineArgs, TrainArgs
 from vllm_carryover.train.paths import data_dir
+from vllm_carryover.train.slot_proposals import ProposalSettings, proposal_feeds
 from vllm_carryover.train.state_cache import StateCache, dataset_cache
 from vllm_carryover.train.target_states import stored_states, truncated_decoder
 from vllm_carryover.train.trainer import (
@@ -39,6 +40,7 @@ from vllm_carryover.train.trainer import (
     Trainer,
     load_init,
     meta_args,
+    portable,
 )
 from vllm_carryover.train.vocab_subset import (
     remap_labels,
@@ -116,7 +118,8 @@ def block_logits(model: TorchDrafter, seq: Sequence, anchors: torch.Tensor,
     the Markov bias of the true previous tokens. `ctx_kv`: the sequence's context K/V
     when the caller has projected it already (evaluation drafts it chunk by chunk)."""
     k, v = ctx_kv if ctx_kv is not None else context_kv(model, seq.aux)
-    logits, blocks = block_logits_over(model, k, v, seq.tokens, anchors)
+    logits, blocks = block_logits_over(model, k, v, seq.tokens, anchors,
+                                       proposals=seq.proposals)
     return model.teacher_forced(logits, blocks.prev_ids), blocks.labels
 
 
@@ -243,13 +246,19 @@ def train_baseline(a: BaselineArgs) -> Path:
 
     layer_ids = list(dcfg.target_layer_ids)
     seqs = load_sequences(a.data)
+    if a.slot_proposals and not cfg.get("slot_proposals"):
+        if a.init_run:
+            raise SystemExit("--slot-proposals makes a new drafter; the --init-run drafter "
+                             "reads mask tokens in its slots: drop one of the two")
+        cfg["slot_proposals"] = ProposalSettings().to_dict()
     cache = dataset_cache(a.target_states, data_dir(a.data), layer_ids,
                           len(layer_ids) * dcfg.target_hidden_size, place.dtype)
     # the target runs for the states not cached yet
     decoder = None if cache is not None and cache.complete() else target_decoder(
         a, place, layer_ids)
     feed = sequence_feed(place, layer_ids, decoder, cache)
-    heldout_feed = computed_once(feed) if cache is None else feed
+    feed, heldout_feed = proposal_feeds(cfg, a.data, feed)
+    heldout_feed = computed_once(heldout_feed) if cache is None else heldout_feed
     train, heldout = seqs["train"], seqs["heldout"]
     weights = slot_weights(dcfg.block_size - 1, a.gamma)
     loop = Trainer(a, "baseline", model, params, opt, cfg, train, {"trained_label_tokens": 0},
@@ -258,7 +267,8 @@ def train_baseline(a: BaselineArgs) -> Path:
     def seq_loss(seq: Sequence, anchors: torch.Tensor, ids: torch.Tensor | None) -> SeqResult:
         with restricted_head(model, ids):
             k, v = context_kv(model, seq.aux)
-            rows, blocks = block_logits_over(model, k, v, seq.tokens, anchors, with_bonus=True)
+            rows, blocks = block_logits_over(model, k, v, seq.tokens, anchors, with_bonus=True,
+                                             proposals=seq.proposals)
             logits = model.teacher_forced(rows[:, 1:], blocks.prev_ids)
         labels = blocks.labels if ids is None else remap_labels(blocks.labels, ids,
                                                                  dcfg.vocab_size)
@@ -297,7 +307,7 @@ def train_baseline(a: BaselineArgs) -> Path:
     meta = {"recipe": recipe, "steps": steps_done,
             "trained_label_tokens": tokens_seen, "train_seconds": round(train_seconds, 1),
             "label_tokens_per_s": round(tokens_seen / max(train_seconds, 1e-9), 1),
-            "continued_from": ([*prior.get("continued_from", []), a.init_run]
+            "continued_from": ([*prior.get("continued_from", []), portable(a.init_run)]
                                if a.init_run else []),
             "data": a.data, "data_manifest_sha256": loop.data_sha,
             "train_sequences": len(train), "heldout_sequences": len(heldout),

@@ -39,9 +39,17 @@ from vllm_carryover.train.draft_verify_draft import (
     second_draft_logits,
 )
 from vllm_carryover.train.options import CarryoverArgs
-from vllm_carryover.train.paths import CHECKPOINTS, data_dir
+from vllm_carryover.train.paths import data_dir
+from vllm_carryover.train.slot_proposals import proposal_feeds
 from vllm_carryover.train.state_cache import dataset_cache
-from vllm_carryover.train.trainer import Feed, SeqResult, Trainer, load_init, meta_args
+from vllm_carryover.train.trainer import (
+    Feed,
+    SeqResult,
+    Trainer,
+    load_init,
+    meta_args,
+    portable,
+)
 from vllm_carryover.train.vocab_subset import remap_labels
 
 from vllm_carryover.drafter.format import DrafterConfig
@@ -64,13 +72,14 @@ def evaluate(model: TorchDrafter, decoder: Any, seqs: list[Sequence], anchors_pe
                 continue
             seq = feed(seq)
             r = draft_verify_draft(model, decoder, seq.tokens, seq.aux,
-                                   anchors.to(seq.tokens.device), first_loss=False)
+                                   anchors.to(seq.tokens.device), first_loss=False,
+                                   proposals=seq.proposals)
             stats["first"].add_drafts(r.drafts, r.first_labels)
             stats["second"].add(r.second_logits, r.second_labels)
             ctx_k, ctx_v = context_kv(model, seq.aux)
             plain, labels = second_draft_logits(model, ctx_k, ctx_v, seq.tokens, r.anchors[r.keep],
                                                 r.accepted[r.keep], r.rejected,
-                                                use_slot=False)
+                                                use_slot=False, proposals=seq.proposals)
             stats["second_no_slot"].add(plain, labels)
     model.train()
     return stats
@@ -116,7 +125,8 @@ def train_carryover(a: CarryoverArgs) -> Path:
     cache = dataset_cache(a.target_states, data_dir(a.data), layer_ids,
                           len(layer_ids) * dcfg.target_hidden_size, place.dtype)
     feed = sequence_feed(place, layer_ids, decoder, cache)  # the baseline recipe's feed
-    heldout_feed = computed_once(feed) if cache is None else feed
+    feed, heldout_feed = proposal_feeds(cfg, a.data, feed)
+    heldout_feed = computed_once(heldout_feed) if cache is None else heldout_feed
     train, heldout = seqs["train"], seqs["heldout"]
     weights = slot_weights(dcfg.block_size - 1, a.gamma)
     counts = {"first_label_tokens": 0, "second_label_tokens": 0, "anchors": 0,
@@ -136,7 +146,7 @@ def train_carryover(a: CarryoverArgs) -> Path:
     def seq_loss(seq: Sequence, anchors: torch.Tensor, ids: torch.Tensor | None) -> SeqResult:
         r = draft_verify_draft(model, decoder, seq.tokens, seq.aux, anchors, ids,
                                first_loss=a.first_draft_weight > 0,
-                               use_slot=not a.hide_carried)
+                               use_slot=not a.hide_carried, proposals=seq.proposals)
         lab2 = r.second_labels if ids is None else remap_labels(
             r.second_labels, ids, dcfg.vocab_size)
         loss2, _ = weighted_block_ce(r.second_logits, lab2, weights)
@@ -168,7 +178,7 @@ def train_carryover(a: CarryoverArgs) -> Path:
             **counts, "train_seconds": round(done.train_seconds, 1),
             "label_tokens_per_s": round(label_tokens / max(done.train_seconds, 1e-9), 1),
             "anchors_per_s": round(counts["anchors"] / max(done.train_seconds, 1e-9), 2),
-            "init_checkpoint": _display(a.init),
+            "init_checkpoint": portable(a.init),
             "init_meta": {k: init_meta.get(k) for k in (
                 "recipe", "steps", "trained_label_tokens", "train_seconds",
                 "label_tokens_per_s") if k in init_meta},
@@ -176,21 +186,10 @@ def train_carryover(a: CarryoverArgs) -> Path:
             "train_sequences": len(train), "heldout_sequences": len(heldout),
             "processes": loop.world, "heldout": final,
             "heldout_initial": done.notes["heldout_initial"], "evals": done.evals,
-            "args": {k: (_display(v) if k == "init" else v) for k, v in meta_args(a).items()}}
+            "args": meta_args(a)}
     return loop.save_final(cfg, model.checkpoint_state(), meta)
 
 
 def _summary(st: dict[str, BlockStats]) -> dict[str, Any]:
     return {f"{name}_tau": round(s.tau(), 4) for name, s in st.items()} | {
         f"{name}_acc": s.accuracy() for name, s in st.items()}
-
-
-def _display(init: str) -> str:
-    """An init path relative to the repository when it is inside it (portable metadata); a
-    run name or hub id as given."""
-    if not Path(init).exists():
-        return init
-    try:
-        return str(Path(init).resolve().relative_to(CHECKPOINTS.parent.parent))
-    except ValueError:
-        return init

@@ -26,11 +26,9 @@ from vllm_carryover.train.answerer import Answerer, engine_kwargs
 from vllm_carryover.train.prompts import MAX_PROMPT_TOKENS, Prompt, prompt_token_ids
 
 from vllm_carryover.dtype import resolve_dtype
-from vllm_carryover.lookups.corpus import MIN_COUNT, MIN_SHARE, CorpusTable
 from vllm_carryover.lookups.suffix import SEED_ANSWERS
 
 if TYPE_CHECKING:
-    import argparse
     from collections.abc import Iterator
 
 # Re-exported: the dataset's reader API.
@@ -46,8 +44,8 @@ def load_samples(data: Path, split: str | None = None) -> list[dict[str, Any]]:
 
 
 def train_samples(folder: Path) -> Iterator[dict[str, Any]]:
-    """The train split's answered prompts, in table order: what a draft vocabulary,
-    the corpus table and the suffix seed learn from (held-out responses stay unseen)."""
+    """The train split's answered prompts, in table order: what a draft vocabulary
+    and the suffix seed learn from (held-out responses stay unseen)."""
     return (r for r in store.iter_samples(folder) if r["split"] == "train")
 
 
@@ -59,15 +57,6 @@ def response_token_counts(folder: Path, vocab_size: int) -> Any:
     return token_counts((r["response_ids"] for r in train_samples(folder)), vocab_size)
 
 
-def corpus_table(folder: Path, min_count: int = MIN_COUNT,
-                 min_share: float = MIN_SHARE) -> CorpusTable:
-    """The corpus lookup's table of the train split's responses; `min_count` /
-    `min_share`: which continuations it keeps."""
-    return CorpusTable.build([(r["prompt_ids"], r["response_ids"])
-                              for r in train_samples(folder)],
-                             min_count=min_count, min_share=min_share)
-
-
 def suffix_seed(folder: Path, max_answers: int = SEED_ANSWERS) -> list[list[int]]:
     """Up to `max_answers` of the train split's responses for the suffix lookup's answer
     tree, in a fixed random order: the tree keeps the last ones it is fed, so any tail
@@ -75,16 +64,6 @@ def suffix_seed(folder: Path, max_answers: int = SEED_ANSWERS) -> list[list[int]
     answers = [r["response_ids"] for r in train_samples(folder)]
     order = np.random.default_rng(0).permutation(len(answers))[:max_answers]
     return [answers[i] for i in order]
-
-
-def add_corpus_rule_options(p: argparse.ArgumentParser) -> None:
-    """Which continuations the corpus table keeps (`corpus-table`, `lookup-headroom`)."""
-    p.add_argument("--min-count", type=int, default=MIN_COUNT,
-                   help="keep a context's most frequent continuation only if seen this "
-                   "often (default: %(default)s)")
-    p.add_argument("--min-share", type=float, default=MIN_SHARE,
-                   help="... and only if it is this share of the context's continuations "
-                   "(default: %(default)s; 0 keeps the most frequent whatever its share)")
 
 
 def answer(folder: Path, target: str, *, max_tokens: int, shard_size: int,

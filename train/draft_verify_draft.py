@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from vllm_carryover.train.dflash_loss import Blocks, accepted_length, make_blocks
+from vllm_carryover.train.slot_proposals import fill_slots
 from vllm_carryover.train.vocab_subset import restricted_head
 
 from vllm_carryover.drafter.torch_model import TorchDrafter
@@ -71,13 +72,15 @@ def context_kv(model: TorchDrafter, aux: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def block_logits_over(model: TorchDrafter, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-                      tokens: torch.Tensor, anchors: torch.Tensor, with_bonus: bool = False
-                      ) -> tuple[torch.Tensor, Blocks]:
+                      tokens: torch.Tensor, anchors: torch.Tensor, with_bonus: bool = False,
+                      proposals: torch.Tensor | None = None) -> tuple[torch.Tensor, Blocks]:
     """Plain DFlash blocks over precomputed context K/V: (the backbone's logits
     [A, K, V], without any Markov bias; the blocks, with their labels [A, K]).
-    `with_bonus`: the logits are [A, 1 + K, V], the bonus token's row first."""
+    `with_bonus`: the logits are [A, 1 + K, V], the bonus token's row first.
+    `proposals` [T, K]: lookup proposals in the slots (`train.slot_proposals`)."""
     d = model.config
     blocks = make_blocks(tokens, anchors, d.block_size, d.mask_token_id, ctx_k.shape[1])
+    blocks.query_ids = fill_slots(blocks.query_ids, anchors, proposals)
     # one context for all anchors, each masked to the positions before it
     logits = model(blocks.query_ids, blocks.query_pos, ctx_k[:, None], ctx_v[:, None],
                    blocks.ctx_mask)
@@ -149,20 +152,23 @@ def rejected_states(decoder: Any, tokens: torch.Tensor, anchors: torch.Tensor,
 def second_draft_logits(model: TorchDrafter, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
                         tokens: torch.Tensor, anchors: torch.Tensor,
                         accepted: torch.Tensor, rejected: Rejected,
-                        use_slot: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                        use_slot: bool = True, proposals: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [A, K, V], labels [A, K]) of the blocks at p' = p + a + 1.
 
     Block i attends to context positions < p' and to its own anchor's rejected
     states (K slots per block, slot j visible iff j >= a_i, projected at their
     own positions with the rejected embedding), as the vLLM proposer drafts
     after a verify step. `rejected.anchor` indexes `anchors`. `use_slot=False`
-    hides the slot: plain DFlash drafting at the same p' (the ablation).
+    hides the slot: plain DFlash drafting at the same p' (the ablation). `proposals`
+    [T, K]: lookup proposals in the slots (`train.slot_proposals`).
     """
     d = model.config
     num_drafts = d.block_size - 1
     a = anchors.shape[0]
     blocks = make_blocks(tokens, anchors + accepted + 1, d.block_size, d.mask_token_id,
                          ctx_k.shape[1])
+    blocks.query_ids = fill_slots(blocks.query_ids, anchors + accepted + 1, proposals)
     if a == 0:  # no anchor has a next block inside the sequence
         return ctx_k.new_zeros(0, num_drafts, model.lm_head.shape[0]), blocks.labels
     dev = ctx_k.device
@@ -184,31 +190,34 @@ def second_draft_logits(model: TorchDrafter, ctx_k: torch.Tensor, ctx_v: torch.T
 def draft_verify_draft(model: TorchDrafter, decoder: Any, tokens: torch.Tensor,
                        aux: torch.Tensor, anchors: torch.Tensor,
                        head_ids: torch.Tensor | None = None,
-                       first_loss: bool = True, use_slot: bool = True) -> DraftVerifyDraft:
+                       first_loss: bool = True, use_slot: bool = True,
+                       proposals: torch.Tensor | None = None) -> DraftVerifyDraft:
     """The whole pass for one sequence; logits carry gradients into the drafter.
 
     Drafts are always the full-vocabulary greedy ones (what inference proposes:
     left to right through a Markov head); `head_ids` restricts only the trained
     logits (sampled softmax), which are teacher-forced through a Markov head.
     `use_slot=False` is the control: the second draft without carried rows, so no
-    verify pass is needed.
+    verify pass is needed. `proposals` [T, K]: lookup proposals in both drafts' slots.
     """
     d = model.config
     num_drafts = d.block_size - 1
     ctx_k, ctx_v = context_kv(model, aux)
     first = None
     if first_loss and head_ids is None:  # full-vocabulary loss: one forward does both
-        base, blocks = block_logits_over(model, ctx_k, ctx_v, tokens, anchors)
+        base, blocks = block_logits_over(model, ctx_k, ctx_v, tokens, anchors,
+                                         proposals=proposals)
         first = model.teacher_forced(base, blocks.prev_ids)
         drafts = model.draft_tokens(base.detach(), blocks.query_ids[:, 0])
     else:
         with torch.no_grad():
             base, blocks = block_logits_over(model, ctx_k.detach(), ctx_v.detach(), tokens,
-                                             anchors)
+                                             anchors, proposals=proposals)
             drafts = model.draft_tokens(base, blocks.query_ids[:, 0])
         if first_loss:
             with restricted_head(model, head_ids):
-                base, _ = block_logits_over(model, ctx_k, ctx_v, tokens, anchors)
+                base, _ = block_logits_over(model, ctx_k, ctx_v, tokens, anchors,
+                                            proposals=proposals)
                 first = model.teacher_forced(base, blocks.prev_ids)
     labels = blocks.labels
     accepted = accepted_length(drafts, labels)
@@ -222,6 +231,6 @@ def draft_verify_draft(model: TorchDrafter, decoder: Any, tokens: torch.Tensor,
         rej = Rejected(aux.new_zeros(0, aux.shape[-1]).float(), none, none)
     with restricted_head(model, head_ids):
         second, labels2 = second_draft_logits(model, ctx_k, ctx_v, tokens, anchors[keep],
-                                              accepted[keep], rej, use_slot)
+                                              accepted[keep], rej, use_slot, proposals)
     return DraftVerifyDraft(anchors, drafts, accepted, first, labels, keep, rej, second,
                             labels2)

@@ -55,10 +55,11 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
         verify_inputs,
     )
 
-    drafter = load_drafter(target, init)
+    drafter, proposals = load_drafter(target, init, data)
     num_drafts = drafter.config.block_size - 1
     full = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    seqs = heldout_sequences(target, data, list(drafter.config.target_layer_ids))
+    seqs = [proposals(s) for s in heldout_sequences(target, data,
+                                                    list(drafter.config.target_layer_ids))]
     gen = torch.Generator().manual_seed(seed)
     counts: dict[str, Counter[str]] = defaultdict(Counter)
     with torch.no_grad():
@@ -69,7 +70,8 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
             if not anchors.numel():
                 continue
             ctx_k, ctx_v = context_kv(drafter, seq.aux)
-            first, blocks = block_logits_over(drafter, ctx_k, ctx_v, tokens, anchors)
+            first, blocks = block_logits_over(drafter, ctx_k, ctx_v, tokens, anchors,
+                                              proposals=seq.proposals)
             labels = blocks.labels
             drafts = drafter.draft_tokens(first, blocks.query_ids[:, 0])
             acc = accepted_length(drafts, labels)
@@ -93,7 +95,8 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
                 first_row].argmax(-1)
             no_slot = Rejected(torch.empty(0, seq.aux.shape[-1]), row_anchor[:0], row_slot[:0])
             plain, next_labels = second_draft_logits(drafter, ctx_k, ctx_v, tokens, kept, acc,
-                                                     no_slot, use_slot=False)
+                                                     no_slot, use_slot=False,
+                                                     proposals=seq.proposals)
             true = next_labels[:, 0]  # row_anchor[first_row] is 0..len(kept)-1 in order
             t, d = target_next == true, plain[:, 0].argmax(-1) == true
             for name in ("all", seq.category) if seq.category else ("all",):
@@ -154,9 +157,12 @@ def heldout_sequences(target: str, data: str, layer_ids: list[int]) -> list[Any]
     return [feed(s) for s in load_sequences(data)["heldout"]]
 
 
-def load_drafter(target: str, init: str) -> Any:
-    """A TorchDrafter (eval mode) from a drafter folder or a run name."""
+def load_drafter(target: str, init: str, data: str | None = None) -> Any:
+    """A TorchDrafter (eval mode) from a drafter folder or a run name; for a drafter
+    that reads lookup proposals in its slots, also the `proposals` feed (given `data`)
+    that gives a held-out sequence its proposals, else a feed that leaves it as it is."""
     from vllm_carryover.train.carryover import load_init
+    from vllm_carryover.train.slot_proposals import proposal_feeds
 
     from vllm_carryover.drafter.format import DrafterConfig
     from vllm_carryover.drafter.target_weights import target_embedding
@@ -166,7 +172,9 @@ def load_drafter(target: str, init: str) -> Any:
     dcfg = DrafterConfig.from_dict({k: v for k, v in cfg.items() if k != "carryover_config"})
     drafter = TorchDrafter(dcfg, target_embedding(target))
     drafter.load_checkpoint_state(state)
-    return drafter.eval()
+    if data is None:
+        return drafter.eval()
+    return drafter.eval(), proposal_feeds(cfg, data, lambda seq: seq)[1]
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:

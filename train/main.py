@@ -1,4 +1,4 @@
-"""`python -m train {data,baseline,carryover,export,draft-vocab,corpus-table,suffix-seed,eval,
+"""`python -m train {data,baseline,carryover,export,draft-vocab,suffix-seed,eval,
 headroom,lookup-headroom}`."""
 
 from __future__ import annotations
@@ -60,19 +60,6 @@ def cmd_draft_vocab(a: argparse.Namespace) -> None:
     meta = json.loads((path / "config.json").read_text())["carryover_config"]["draft_vocab"]
     print(f"draft vocabulary of {a.size} tokens covers {meta['coverage']:.2%} of the "
           f"target's train response tokens in {a.data}", file=sys.stderr)
-    print(path)
-
-
-def cmd_corpus_table(a: argparse.Namespace) -> None:
-    from vllm_carryover.train.data import corpus_table
-    from vllm_carryover.train.paths import data_dir
-
-    from vllm_carryover.lookups.corpus import CORPUS_FILE
-
-    table = corpus_table(data_dir(a.data), min_count=a.min_count, min_share=a.min_share)
-    path = Path(a.drafter) / CORPUS_FILE
-    table.save(path)
-    print(f"{len(table):,} contexts from the train responses of {a.data}", file=sys.stderr)
     print(path)
 
 
@@ -140,6 +127,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
                    metavar="W", help="loss weight of the bonus token's row, trained to predict "
                    "the token after it as slot 1 does: with two or more layers that row is "
                    "where the slots read the bonus token from (default: %(default)s)")
+    b.add_argument("--slot-proposals", action="store_true",
+                   help="a new drafter whose block slots hold the suffix lookup's proposals "
+                   "instead of the mask token where it has one (train/slot_proposals.py), "
+                   "to keep or correct; each training sequence's proposals come from an "
+                   "answer tree without its own answer. A drafter made so keeps them "
+                   "when continued")
     b.set_defaults(fn=cmd_baseline)
 
     c = sub.add_parser(
@@ -205,22 +198,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
     v.set_defaults(fn=cmd_draft_vocab)
 
     t = sub.add_parser(
-        "corpus-table", help="the corpus lookup's table, written into a drafter folder",
-        description="What the target most often wrote after each context of 2-5 tokens in "
-        "the dataset's train responses (by default every context's most frequent "
-        "continuation; --min-count and --min-share keep only confident ones), written to "
-        "the drafter folder as corpus_table.npz. Serving with \"corpus_lookup\": true "
-        "drafts its chains (vllm_carryover/lookups/corpus.py).")
-    t.add_argument("--drafter", required=True, help="drafter folder to write the table into")
-    t.add_argument("--data", default=DEFAULT_DATA,
-                   help="dataset whose train responses make the table (default: %(default)s)")
-    data.add_corpus_rule_options(t)
-    t.set_defaults(fn=cmd_corpus_table)
-
-    t = sub.add_parser(
         "suffix-seed", help="the suffix lookup's first answers, written into a drafter folder",
-        description="Up to --max-answers of the dataset's train responses (those the "
-        "corpus table is built from), in a fixed random order, written to the drafter "
+        description="Up to --max-answers of the dataset's train responses, in a fixed "
+        "random order, written to the drafter "
         "folder as suffix_seed.npz. Serving with \"suffix_lookup\": true puts them in "
         "its tree of past answers at startup (vllm_carryover/lookups/suffix.py).")
     t.add_argument("--drafter", required=True, help="drafter folder to write the seed into")

@@ -64,6 +64,7 @@ class BaselineArgs(TrainArgs):
     draft_vocab: int = 0
     unvisited_weight: float = 1.0
     bonus_weight: float = 1.0
+    slot_proposals: bool = False
 
 
 @dataclass

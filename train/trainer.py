@@ -37,7 +37,7 @@ from vllm_carryover.train.distributed import (
     world_size,
 )
 from vllm_carryover.train.options import RUN_CONTROL, TrainArgs
-from vllm_carryover.train.paths import data_dir, run_dir
+from vllm_carryover.train.paths import CHECKPOINTS, data_dir, run_dir
 from vllm_carryover.train.vocab_subset import step_vocab
 
 from vllm_carryover.drafter.checkpoint import load_drafter_state
@@ -61,6 +61,7 @@ class Sequence:
     aux: torch.Tensor | None  # [T, n_layers * H] bf16; None until the recipe's feed gives it
     category: str = ""  # the prompt's category (chat, code, ...), where the data has one
     row: int = -1  # its row in the dataset, where the state cache keeps its states
+    proposals: torch.Tensor | None = None  # [T, K] slot proposals (`train.slot_proposals`)
 
 
 @dataclass
@@ -376,7 +377,19 @@ def args_dict(a: TrainArgs) -> dict[str, Any]:
 
 def meta_args(a: TrainArgs) -> dict[str, Any]:
     """The settings that describe a run (not how one invocation of it was steered)."""
-    return {k: v for k, v in args_dict(a).items() if k not in ("resume", "stop_after")}
+    return {k: (portable(v) if k in ("init", "init_run") and v else v)
+            for k, v in args_dict(a).items() if k not in ("resume", "stop_after")}
+
+
+def portable(init: str) -> str:
+    """An init path relative to the checkout when it is inside it (metadata that reads
+    the same on every machine); a run name or hub id as given."""
+    if not Path(init).exists():
+        return init
+    try:
+        return str(Path(init).resolve().relative_to(CHECKPOINTS.parent.parent))
+    except ValueError:
+        return init
 
 
 def weights_digest(state: dict[str, torch.Tensor]) -> str:

@@ -17,8 +17,7 @@ from vllm_carryover.drafter.checkpoint import has_rejected_embedding
 from vllm_carryover.drafter.source import resolve_drafter
 from vllm_carryover.drafter.validation import validate_drafter
 from vllm_carryover.errors import CarryoverConfigError
-from vllm_carryover.lookups.corpus import CORPUS_FILE
-from vllm_carryover.lookups.prompt import DEFAULT_MAX_N, DEFAULT_MIN_N
+from vllm_carryover.lookups.slots import CONFIG_KEY as SLOTS_KEY
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's configured logger
 
@@ -31,28 +30,31 @@ CARRYOVER_KEYS: dict[str, str] = {
     "carryover": "true: the next draft attends to the rejected states of the last "
     "verify step; false: plain DFlash drafting on the same weights; default: true if "
     "the drafter has a rejected_embedding (was trained to read carried states)",
-    "prompt_lookup": "true: where vLLM's n-gram matcher finds the request's last tokens "
-    "earlier in its text, draft what followed them there instead of the drafter's block "
-    "(default: false)",
-    "prompt_lookup_min": f"with prompt_lookup, the shortest n-gram to match (default: "
-    f"{DEFAULT_MIN_N})",
-    "prompt_lookup_max": f"with prompt_lookup, the longest n-gram to match (default: "
-    f"{DEFAULT_MAX_N})",
-    "prompt_lookup_drafter_k": "with a lookup (prompt_lookup, corpus_lookup or "
-    "suffix_lookup), how many of the drafter's tokens a request without a match drafts "
-    "(0: none, and the drafter never runs; default: num_speculative_tokens)",
+    "suffix_lookup": "true: where arctic-inference's suffix trees of the request's own "
+    "text and of the answers the server has written continue the request's text, draft "
+    "that instead of the drafter's block, as vLLM's suffix method does (its "
+    "suffix_decoding_* keys tune it; default: false)",
+    "lookup_drafter_k": "with suffix_lookup, how many of the drafter's tokens a request "
+    "without a match drafts (0: none, and the drafter never runs; default: "
+    "num_speculative_tokens)",
     "drafter_gate": "with a lookup and K by goodput "
     "(num_speculative_tokens_per_batch_size \"goodput\"), true: per batch size, whether "
     "requests without a match draft the drafter's tokens is decided by each choice's "
     "measured tokens/s; false: they always do (default: true)",
-    "corpus_lookup": f"true: where the drafter folder's {CORPUS_FILE} (what the target most "
-    "often wrote after the same 2-5 tokens; `python -m train corpus-table`) continues the "
-    "request's text, draft that chain; after prompt_lookup's match, before the drafter "
-    "(default: false)",
-    "suffix_lookup": "true: instead of prompt_lookup and corpus_lookup, draft from "
-    "arctic-inference's suffix trees of the request's own text and of the answers the "
-    "server has written, as vLLM's suffix method does (its suffix_decoding_* keys tune "
-    "it; default: false)",
+}
+# Keys of earlier versions, each with what replaced it (an error at startup names it).
+_SUFFIX_INSTEAD = ("was replaced by \"suffix_lookup\": true, whose trees hold the request's "
+                   "own text and the server's past answers")
+RETIRED_KEYS: dict[str, str] = {
+    "prompt_lookup": _SUFFIX_INSTEAD,
+    "corpus_lookup": _SUFFIX_INSTEAD,
+    "prompt_lookup_min": "went with 'prompt_lookup' (vLLM's n-gram matcher); "
+    "\"suffix_lookup\": true matches as long a suffix as its trees hold "
+    "(suffix_decoding_max_tree_depth)",
+    "prompt_lookup_max": "went with 'prompt_lookup' (vLLM's n-gram matcher); "
+    "\"suffix_lookup\": true matches as long a suffix as its trees hold "
+    "(suffix_decoding_max_tree_depth)",
+    "prompt_lookup_drafter_k": "is now 'lookup_drafter_k' (same meaning)",
 }
 # vLLM's suffix method's knobs, which suffix_lookup reads with vLLM's defaults: each
 # key's type and range (least, most; None: no bound), as vLLM checks its own method's.
@@ -88,13 +90,9 @@ class CarryoverSettings:
 
     enabled: bool = True
     goodput_k: bool = False  # K per step by measured goodput (`goodput_k`)
-    prompt_lookup: bool = False  # the n-gram matcher's drafts where it has some
-    prompt_lookup_min: int = DEFAULT_MIN_N
-    prompt_lookup_max: int = DEFAULT_MAX_N
-    prompt_lookup_drafter_k: int | None = None  # None: all K
+    suffix_lookup: bool = False  # the suffix trees' drafts where they have some
+    lookup_drafter_k: int | None = None  # None: all K
     drafter_gate: bool = True  # with K by goodput: the drafter's tokens only where they pay
-    corpus_lookup: bool = False  # the corpus table's chains where it has some
-    suffix_lookup: bool = False  # the suffix trees' drafts, instead of prompt and corpus lookup
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> CarryoverSettings:
@@ -112,6 +110,9 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
     Raises CarryoverConfigError with the cause and the fix.
     """
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
+    retired = [key for key in RETIRED_KEYS if key in spec]
+    if retired:
+        raise CarryoverConfigError("; ".join(f"'{key}' {RETIRED_KEYS[key]}" for key in retired))
     unknown = sorted(set(spec) - set(ALLOWED_KEYS))
     if unknown:
         raise CarryoverConfigError(
@@ -119,13 +120,9 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
             f"allowed keys: {', '.join(ALLOWED_KEYS)}"
         )
     enabled = spec.pop("carryover", None)
-    lookup = lookup_settings(spec.pop("prompt_lookup", False),
-                             spec.pop("prompt_lookup_min", DEFAULT_MIN_N),
-                             spec.pop("prompt_lookup_max", DEFAULT_MAX_N),
-                             spec.pop("prompt_lookup_drafter_k", None),
-                             spec.pop("corpus_lookup", False),
-                             spec.pop("drafter_gate", True),
-                             spec.pop("suffix_lookup", False))
+    lookup = lookup_settings(spec.pop("suffix_lookup", False),
+                             spec.pop("lookup_drafter_k", None),
+                             spec.pop("drafter_gate", True))
     check_suffix_keys(spec, lookup["suffix_lookup"])
     schedule = spec.get("num_speculative_tokens_per_batch_size")
     if isinstance(schedule, str) and schedule != GOODPUT:
@@ -160,16 +157,12 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
     drafter = validate_drafter(folder, target_hf_config, k)
     if k is None:
         spec["num_speculative_tokens"] = drafter.block_size - 1
-    drafter_k = lookup["prompt_lookup_drafter_k"]
+    check_slot_proposals(folder, spec, lookup)
+    drafter_k = lookup["lookup_drafter_k"]
     if drafter_k is not None and drafter_k > spec["num_speculative_tokens"]:
         raise CarryoverConfigError(
-            f"'prompt_lookup_drafter_k' ({drafter_k}) is above num_speculative_tokens "
+            f"'lookup_drafter_k' ({drafter_k}) is above num_speculative_tokens "
             f"({spec['num_speculative_tokens']}); use 0..{spec['num_speculative_tokens']}")
-    if lookup["corpus_lookup"] and not (folder / CORPUS_FILE).is_file():
-        raise CarryoverConfigError(
-            f"'corpus_lookup' needs {CORPUS_FILE} in the drafter folder {folder}; build it "
-            f"with `python -m train corpus-table --drafter {folder}`, or remove "
-            "'corpus_lookup'")
     if enabled is None:
         enabled = default_enabled(folder)
     if goodput_k:  # vLLM's dynamic K on; patches.goodput_scheduler replaces its lookup
@@ -188,31 +181,14 @@ def translate(spec: dict[str, Any], target_hf_config: Any) -> tuple[dict[str, An
     return spec, CarryoverSettings(enabled=enabled, goodput_k=goodput_k, **lookup)
 
 
-def lookup_settings(on: Any, min_n: Any, max_n: Any, drafter_k: Any, corpus: Any,
-                    gate: Any, suffix: Any) -> dict[str, Any]:
+def lookup_settings(suffix: Any, drafter_k: Any, gate: Any) -> dict[str, Any]:
     """The lookup keys, checked (CarryoverConfigError with the fix)."""
-    for key, value in (("prompt_lookup", on), ("corpus_lookup", corpus),
-                       ("drafter_gate", gate), ("suffix_lookup", suffix)):
+    for key, value in (("suffix_lookup", suffix), ("drafter_gate", gate)):
         if not isinstance(value, bool):
             raise CarryoverConfigError(f"'{key}' must be true or false, got {value!r}")
-    if suffix and (on or corpus):
-        # Its request tree is a prompt lookup and its answer tree a corpus learnt while
-        # serving: one or the other, so that each is measured on its own.
-        raise CarryoverConfigError(
-            "'suffix_lookup' replaces 'prompt_lookup' and 'corpus_lookup' (its trees hold "
-            "the request's own text and the server's past answers); set suffix_lookup or "
-            "those two, not both")
-    _check_count("prompt_lookup_min", min_n, least=1)
-    _check_count("prompt_lookup_max", max_n, least=1)
     if drafter_k is not None:
-        _check_count("prompt_lookup_drafter_k", drafter_k, least=0)
-    if min_n > max_n:
-        raise CarryoverConfigError(
-            f"'prompt_lookup_min' ({min_n}) is above 'prompt_lookup_max' ({max_n}); "
-            "make the shortest n-gram at most the longest")
-    return {"prompt_lookup": on, "prompt_lookup_min": min_n, "prompt_lookup_max": max_n,
-            "prompt_lookup_drafter_k": drafter_k, "corpus_lookup": corpus,
-            "drafter_gate": gate, "suffix_lookup": suffix}
+        _check_count("lookup_drafter_k", drafter_k, least=0)
+    return {"suffix_lookup": suffix, "lookup_drafter_k": drafter_k, "drafter_gate": gate}
 
 
 def check_suffix_keys(spec: dict[str, Any], suffix: bool) -> None:
@@ -234,13 +210,36 @@ def check_suffix_keys(spec: dict[str, Any], suffix: bool) -> None:
             bound = f"of at least {least}" if most is None else f"in [{least}, {most}]"
             raise CarryoverConfigError(f"'{key}' must be {what} {bound}, got {value!r}")
     if suffix:
-        try:
-            import arctic_inference.suffix_decoding  # noqa: F401  (its compiled trees)
-        except ImportError as e:
-            raise CarryoverConfigError(
-                f"'suffix_lookup' needs the arctic-inference package, which does not import "
-                f"here ({e}); run scripts/setup.sh, which builds arctic-inference 0.3.0 "
-                "against this Python, or remove 'suffix_lookup'") from None
+        _need_arctic("'suffix_lookup'", "remove 'suffix_lookup'")
+
+
+def check_slot_proposals(folder: Path, spec: dict[str, Any], lookup: dict[str, Any]) -> None:
+    """A drafter trained on the suffix lookup's proposals in its slots
+    (`lookups.slots`) brings that lookup, asked as its training asked: the keys that
+    put the lookup beside a drafter do not apply (CarryoverConfigError with the fix)."""
+    import json
+
+    slots = json.loads((folder / "config.json").read_text()).get(SLOTS_KEY)
+    if not slots:
+        return
+    given = [key for key, off in (("suffix_lookup", False), ("lookup_drafter_k", None))
+             if lookup[key] != off] + [key for key in SUFFIX_KEYS if key in spec]
+    if given:
+        raise CarryoverConfigError(
+            f"the drafter {folder} reads the suffix lookup's proposals in its draft slots "
+            f"({SLOTS_KEY} in its config.json), with the settings it was trained with; "
+            f"remove {given}")
+    _need_arctic(f"the drafter's {SLOTS_KEY}", "use a drafter without them")
+
+
+def _need_arctic(what: str, instead: str) -> None:
+    try:
+        import arctic_inference.suffix_decoding  # noqa: F401  (its compiled trees)
+    except ImportError as e:
+        raise CarryoverConfigError(
+            f"{what} needs the arctic-inference package, which does not import here ({e}); "
+            f"run scripts/setup.sh, which builds arctic-inference 0.3.0 against this "
+            f"Python, or {instead}") from None
 
 
 def _check_count(key: str, n: Any, least: int) -> None:

@@ -2,7 +2,7 @@
 
 Set `VLLM_CARRYOVER_TRACE=DIR` and every drafting round of every worker writes
 `DIR/<pid>-<round>.pt`: request ids, verify rows (fused target states and their
-positions), rejected and carried counts, bonus tokens, query positions, the
+positions), rejected and carried counts, bonus tokens, query positions and ids, the
 draft logits and, for a drafter with a Markov head, the drafted tokens. A step
 that drafts nothing writes its rows alone (no logits): they are context too. Tests
 replay these rounds through the plain PyTorch drafter to check the vLLM path

@@ -35,8 +35,8 @@ COUNTERS: dict[str, str] = {
     "carryover_nonempty_slot_rounds": "Request-rounds whose draft attended to a non-empty "
     "carryover slot.",
     "carryover_rejected_states": "Rejected target states carried over into a slot.",
-    "carryover_lookup_rounds": "Request-rounds whose draft began with a lookup's (prompt, "
-    "corpus or suffix) tokens.",
+    "carryover_lookup_rounds": "Request-rounds whose draft began with the suffix lookup's "
+    "tokens (for a drafter that reads them in its slots: whose first slot held one).",
     "carryover_lookup_only_steps": "Steps whose drafts all came from lookups, so the "
     "drafter's forward was skipped.",
     "carryover_drafter_gated_off_steps": "Of those, steps in which some request had no "
@@ -112,7 +112,7 @@ class CarryoverCounters:
                       gated_off: bool = False) -> None:
         """Count the requests whose draft began with a lookup's tokens, and the step if
         the drafter did not run (and if `drafter_gate` kept it off); `from_lookup` is
-        [batch, K] bool (`prompt_lookup`)."""
+        [batch, K] bool (`suffix_lookup`)."""
         totals = self._totals_on(from_lookup.device)
         totals[3] += from_lookup[:, 0].sum()
         totals[4] += int(not drafter_ran)

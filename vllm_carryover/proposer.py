@@ -8,13 +8,11 @@ query block past them, so the next draft attends to them (see `slot`).
 A drafter with a Markov head (the semi-autoregressive variant) then picks its
 block left to right instead of in one parallel sample (`markov_head`). Near the
 drafter's length limit, requests that still fit keep drafting (`length_limit`).
-With `"prompt_lookup": true`, requests whose text repeats take the n-gram
-matcher's draft instead of the drafter's (`lookups.prompt`); with `"corpus_lookup":
-true`, requests whose text ends in a phrase the target often writes take its usual
-continuation (`lookups.corpus`); with `"suffix_lookup": true`, instead of both,
-arctic-inference's suffix trees of the request's text and of past answers draft
-(`lookups.suffix`); with K by goodput too, whether the drafter drafts for the others is
-measured (`control.drafter_gate`).
+With `"suffix_lookup": true`, requests whose text continues in arctic-inference's
+suffix trees of their own text and of past answers take the trees' draft instead of
+the drafter's (`lookups.suffix`, `lookups.drafts`); with K by goodput too, whether the
+drafter drafts for the others is measured (`control.drafter_gate`). A drafter trained
+on the lookup's proposals in its slots gets them there instead (`lookups.slots`).
 
 The proposer holds the method; its collaborators: `Lookups` (`lookups.beside`: the
 lookups, the gate and their per-round state), `LengthLimit`, the observers that read a
@@ -42,7 +40,8 @@ from vllm_carryover.draft_trace import DraftTrace
 from vllm_carryover.drafter.markov_head import draft_left_to_right
 from vllm_carryover.length_limit import LengthLimit
 from vllm_carryover.lookups.beside import Lookups
-from vllm_carryover.lookups.prompt import score_leading_rows
+from vllm_carryover.lookups.drafts import score_leading_rows
+from vllm_carryover.lookups.slots import fill_query_slots, slot_settings
 from vllm_carryover.metrics import CarryoverCounters
 from vllm_carryover.round_observers import SlotChecks, trace_round
 from vllm_carryover.slot import SlotLayout, plan_slots, shift_query_slots
@@ -80,9 +79,12 @@ class CarryoverProposer(DFlashBase):
         if markov := getattr(self.draft_model_config.hf_config, "markov_rank", 0):
             logger.info("Semi-autoregressive drafter: a Markov head of rank %d drafts each "
                         "block left to right.", markov)
-        # prompt and corpus lookup beside the drafter, with the gate and their round's state
+        # the suffix lookup beside the drafter (with the gate and its round's state), or
+        # in its slots for a drafter trained on them
         self.lookups = Lookups.build(self.settings, vllm_config, self.draft_model_config.model,
-                                     runner, self.counters)
+                                     runner, self.counters,
+                                     slot_settings(self.draft_model_config.hf_config))
+        self._slot_proposals: list | None = None  # this step's, for the query blocks
 
     @override
     def propose(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -107,6 +109,9 @@ class CarryoverProposer(DFlashBase):
         if lookups is None:
             return super().propose(*args, **kwargs)
         plan = lookups.plan(num_reqs, k)
+        if lookups.into_slots:  # `set_inputs_first_pass` puts them in the query blocks
+            self._slot_proposals = plan.proposals
+            return super().propose(*args, **kwargs)
         if plan.drafter_runs:
             drafts = super().propose(*args, **kwargs)
             lookups.fill(drafts, plan, self._last_draft_probs)
@@ -136,8 +141,7 @@ class CarryoverProposer(DFlashBase):
         if self.length_limit.over is not None or (
                 num_rejected_tokens_gpu is not None and bool(num_rejected_tokens_gpu.any())):
             return False
-        self.num_speculative_tokens = 0  # as vLLM's propose would set it
-        self._last_draft_probs = None
+        self._drafts_nothing()
         if self.trace is not None:  # the rows as the drafter will read them
             trace_round(self.trace, self, common_attn_metadata, target_positions,
                         self.model.combine_hidden_states(target_hidden_states),
@@ -193,6 +197,9 @@ class CarryoverProposer(DFlashBase):
         )
         self._layout = None
         self._bonus = next_token_ids[: cad.batch_size()]
+        if self._slot_proposals is not None:
+            fill_query_slots(self.input_ids, self._slot_proposals, self.num_speculative_tokens)
+            self._slot_proposals = None
         if self.trace is not None:
             trace_round(self.trace, self, cad, target_positions, target_hidden_states,
                         num_rejected_tokens_gpu, next_token_ids, num_query)

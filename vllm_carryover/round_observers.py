@@ -31,6 +31,7 @@ def trace_round(trace: DraftTrace, proposer: Any, cad: CommonAttentionMetadata,
                       else torch.zeros(batch, dtype=torch.int32)),
         next_token_ids=next_token_ids[:batch],
         query_positions=proposer.positions[:num_query],
+        query_ids=proposer.input_ids[:num_query],
         carryover=torch.tensor(proposer.settings.enabled),
     )
 

@@ -1,7 +1,7 @@
 """Whether the drafter pays beside the lookups, by measured goodput.
 
-With prompt or corpus lookup, a step in which some request has no lookup run runs
-the drafter for that request's first `prompt_lookup_drafter_k` tokens. That costs
+With the suffix lookup, a step in which some request has no lookup run runs the
+drafter for that request's first `lookup_drafter_k` tokens. That costs
 the drafter's forward and one more verified row per such request, and buys the
 tokens accepted from it. Which is larger depends on the machine and the load (on a
 2-core CPU at concurrency 16, one interleaved run: the lookups alone served 1.05x no

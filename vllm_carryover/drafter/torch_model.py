@@ -234,10 +234,13 @@ class TorchDrafter(nn.Module):
     def draft_logits(self, fused_ctx: torch.Tensor, ctx_pos: torch.Tensor,
                      bonus_token: int, block_start: int, num_draft: int,
                      slot_states: torch.Tensor | None = None,
-                     slot_pos: torch.Tensor | None = None) -> torch.Tensor:
+                     slot_pos: torch.Tensor | None = None,
+                     slot_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [num_draft, V] of one request's next block, as the proposer drafts it.
 
         Keys: committed context, then the carried-over (rejected) states, if any.
+        `slot_ids` [num_draft]: the block's slot tokens where a drafter reads lookup
+        proposals there (`lookups.slots`), else mask tokens.
         """
         k, v = self.context_kv(fused_ctx, ctx_pos)
         if slot_states is not None and slot_states.shape[0] > 0:
@@ -245,6 +248,8 @@ class TorchDrafter(nn.Module):
             sk, sv = self.context_kv(slot_states, slot_pos,
                                      torch.ones(slot_states.shape[0], dtype=torch.bool))
             k, v = torch.cat([k, sk], dim=1), torch.cat([v, sv], dim=1)
-        ids = torch.tensor([[bonus_token] + [self.config.mask_token_id] * num_draft])
+        slots = ([self.config.mask_token_id] * num_draft if slot_ids is None
+                 else slot_ids.tolist())
+        ids = torch.tensor([[bonus_token, *slots]])
         pos = torch.arange(block_start, block_start + num_draft + 1)[None]
         return self(ids, pos, k[:, None], v[:, None])[0, 1:]

@@ -1,3 +1,4 @@
-"""Drafts without a model: prompt lookup (the request's own text) and corpus lookup
-(the target's usual continuations), or instead of both, suffix lookup (arctic-inference's
-trees of the request's text and of past answers)."""
+"""Drafts without a model: the suffix lookup (arctic-inference's trees of the request's
+own text and of the server's past answers, `suffix`), beside the drafter (`beside`),
+reading each request's text in pieces (`texts`); how its proposals become drafts
+(`drafts`)."""

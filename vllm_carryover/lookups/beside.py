@@ -1,14 +1,13 @@
-"""The lookups beside the drafter, as one object the proposer asks: which requests a
-lookup drafts for this step and how many drafter tokens the others keep (`plan`), the
-lookups' tokens written into the step's drafts (`fill`), and at the round's end each
-request's draft length (`take_lengths`). It also keeps what vLLM hands over between its
-callbacks for this round only (the sampled tokens, the drafter rows worth scoring, the
-draft lengths), and steps the drafter gate (`control.drafter_gate`) where K by goodput
-measures whether the drafter drafts beside the lookups. The free helpers it calls are
-in `lookups.prompt`; the lookups themselves in `lookups.prompt` and `lookups.corpus`
-(tried in that order), or instead of both, `lookups.suffix`, which learns from every
-step's batch (`step_begins`), its answer tree seeded from the drafter folder's
-`suffix_seed.npz` where there is one.
+"""The lookup beside the drafter, as one object the proposer asks: which requests the
+suffix lookup (`lookups.suffix`) drafts for this step and how many drafter tokens the
+others keep (`plan`), the lookup's tokens written into the step's drafts (`fill`), and
+at the round's end each request's draft length (`take_lengths`). It also keeps what
+vLLM hands over between its callbacks for this round only (the sampled tokens, the
+drafter rows worth scoring, the draft lengths), and steps the drafter gate
+(`control.drafter_gate`) where K by goodput measures whether the drafter drafts beside
+the lookup. The suffix lookup learns from every step's batch (`step_begins`), read in
+pieces (`lookups.texts.StepTexts`), its answer tree seeded from the drafter folder's
+`suffix_seed.npz` where there is one; how proposals become drafts is `lookups.drafts`.
 """
 
 from __future__ import annotations
@@ -19,25 +18,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from vllm.logger import init_logger
 
 from vllm_carryover.control.drafter_gate import DrafterGate
-from vllm_carryover.lookups.corpus import CORPUS_FILE, CorpusTable
-from vllm_carryover.lookups.prompt import (
-    PromptLookup,
-    Propose,
+from vllm_carryover.lookups.drafts import (
     draft_lengths,
     drafter_rows_kept,
-    first_proposals,
     lookups_suffice,
     make_lookup_probs_one_hot,
     one_hot_probs,
-    texts_of,
     write_drafts,
 )
+from vllm_carryover.lookups.slots import padded
 from vllm_carryover.lookups.suffix import SEED_FILE, SuffixLookup, load_seed
+from vllm_carryover.lookups.texts import StepTexts
 from vllm_carryover.metrics import CarryoverCounters
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
@@ -54,14 +49,15 @@ class Plan:
 
 
 class Lookups:
-    """The lookups tried in order per request, and their per-round state."""
+    """The suffix lookup beside the drafter, and its per-round state."""
 
-    def __init__(self, proposes: list[Propose], suffix: SuffixLookup | None,
-                 drafter_k: int | None, rows_stay_wide: bool, vocab_size: int, runner: Any,
-                 counters: CarryoverCounters, gate: DrafterGate | None) -> None:
-        self.proposes = proposes  # each a `propose(text, K)`
-        self.suffix = suffix  # instead of `proposes` (config.py refuses both)
-        self.drafter_k = drafter_k  # `prompt_lookup_drafter_k`
+    def __init__(self, suffix: SuffixLookup, drafter_k: int | None, rows_stay_wide: bool,
+                 vocab_size: int, runner: Any, counters: CarryoverCounters,
+                 gate: DrafterGate | None, into_slots: bool = False) -> None:
+        self.suffix = suffix
+        # the proposals go into the drafter's slots (`lookups.slots`), not the drafts
+        self.into_slots = into_slots
+        self.drafter_k = drafter_k  # `lookup_drafter_k`
         self.rows_stay_wide = rows_stay_wide  # async scheduling verifies whole K-wide rows
         self.vocab_size = vocab_size
         self.counters = counters
@@ -70,63 +66,59 @@ class Lookups:
         self.sampled: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's tokens
         self._lengths: dict[str, int] | None = None  # this round's, for `kept_drafts`
         self._scored_rows: int | None = None  # of the drafter's K this round (None: all)
-        self._step_texts: list[np.ndarray | None] | None = None  # this step's (`_texts`)
+        self._step_texts: StepTexts | None = None  # this step's (`_texts`)
 
     @classmethod
     def build(cls, settings: Any, vllm_config: Any, model_dir: str, runner: Any,
-              counters: CarryoverCounters) -> Lookups | None:
-        """The lookups `settings` (`CarryoverSettings`) ask for; None where there are none."""
-        proposes: list[Propose] = []
+              counters: CarryoverCounters, slots: dict[str, Any] | None = None
+              ) -> Lookups | None:
+        """The suffix lookup if `settings` (`CarryoverSettings`) ask for it, or the one
+        whose proposals the drafter reads in its slots (`slots`: its config's
+        `slot_proposals`), else None."""
+        if not settings.suffix_lookup and not slots:
+            return None
         rows_stay_wide = bool(vllm_config.scheduler_config.async_scheduling)
-        if settings.prompt_lookup:
-            proposes.append(PromptLookup(settings.prompt_lookup_min, settings.prompt_lookup_max,
-                                         vllm_config.model_config.max_model_len).propose)
-            logger.info("Prompt lookup: requests whose last %d-%d tokens occur earlier in "
-                        "their text draft what followed them there.",
-                        settings.prompt_lookup_min, settings.prompt_lookup_max)
-        if settings.corpus_lookup:
-            path = Path(model_dir) / CORPUS_FILE
-            corpus = CorpusTable.load(path)
-            proposes.append(corpus.propose)
-            logger.info("Corpus lookup: %d contexts from %s.", len(corpus), path)
-        suffix = None
-        if settings.suffix_lookup:
+        max_model_len = vllm_config.model_config.max_model_len
+        if slots:  # asked as the drafter's training asked (train/slot_proposals.py)
+            suffix = SuffixLookup(slots["max_tree_depth"], slots["max_cached_requests"],
+                                  slots["max_spec_factor"], slots["min_token_prob"],
+                                  max_model_len)
+        else:
             spec = vllm_config.speculative_config  # vLLM's suffix_decoding_* keys
             suffix = SuffixLookup(spec.suffix_decoding_max_tree_depth,
                                   spec.suffix_decoding_max_cached_requests,
                                   spec.suffix_decoding_max_spec_factor,
-                                  spec.suffix_decoding_min_token_prob,
-                                  vllm_config.model_config.max_model_len)
-            logger.info("Suffix lookup: each request's text and up to %d past answers in "
-                        "suffix trees of depth %d (arctic-inference).",
-                        spec.suffix_decoding_max_cached_requests,
-                        spec.suffix_decoding_max_tree_depth)
-            path = Path(model_dir) / SEED_FILE
-            if path.exists():  # `python -m train suffix-seed`; else the answer tree starts empty
-                start = time.perf_counter()
-                fed = suffix.seed(load_seed(path))
-                logger.info("Suffix lookup: %d past answers from %s in the answer tree "
-                            "(%.1f s).", fed, path, time.perf_counter() - start)
-        if not proposes and suffix is None:
-            return None
-        # With K by goodput, whether the drafter drafts beside the lookups is measured
+                                  spec.suffix_decoding_min_token_prob, max_model_len)
+        logger.info("Suffix lookup%s: each request's text and up to %d past answers in "
+                    "suffix trees of depth %d (arctic-inference).",
+                    " in the drafter's slots" if slots else "",
+                    suffix.cache.max_cached_requests, suffix.max_tree_depth)
+        path = Path(model_dir) / SEED_FILE
+        if path.exists():  # `python -m train suffix-seed`; else the answer tree starts empty
+            start = time.perf_counter()
+            fed = suffix.seed(load_seed(path))
+            logger.info("Suffix lookup: %d past answers from %s in the answer tree "
+                        "(%.1f s).", fed, path, time.perf_counter() - start)
+        if slots:
+            return cls(suffix, None, rows_stay_wide, vllm_config.model_config.get_vocab_size(),
+                       runner, counters, None, into_slots=True)
+        # With K by goodput, whether the drafter drafts beside the lookup is measured
         # too. Only synchronous scheduling lets a request verify fewer than K drafts.
         gate = None
         if (settings.goodput_k and settings.drafter_gate and not rows_stay_wide
-                and settings.prompt_lookup_drafter_k != 0):
+                and settings.lookup_drafter_k != 0):
             gate = DrafterGate()
             logger.info("Drafter beside the lookups: on or off per batch size by measured "
                         "goodput.")
-        return cls(proposes, suffix, settings.prompt_lookup_drafter_k, rows_stay_wide,
+        return cls(suffix, settings.lookup_drafter_k, rows_stay_wide,
                    vllm_config.model_config.get_vocab_size(), runner, counters, gate)
 
     def step_begins(self, num_reqs: int) -> None:
-        """Bring the suffix trees, if any, up to this step's batch (every step, K = 0
-        ones too, so they hold all that the server answered), and tell the gate, if any,
-        that a step begins, and what the verification since the last `propose` call
-        emitted."""
+        """Bring the suffix trees up to this step's batch (every step, K = 0 ones too,
+        so they hold all that the server answered), and tell the gate, if any, that a
+        step begins, and what the verification since the last `propose` call emitted."""
         self._step_texts = None
-        if self.suffix is not None and self.sampled is not None:
+        if self.sampled is not None:
             batch = self._runner.input_batch
             self.suffix.learn(batch.req_ids[:num_reqs], self._texts(num_reqs),
                               batch.num_prompt_tokens[:num_reqs])
@@ -148,12 +140,11 @@ class Lookups:
     def plan(self, num_reqs: int, k: int) -> Plan:
         """This step's proposals, and whether the drafter must run for the requests
         without one (then only its rows a request can keep are scored)."""
-        texts = self._texts(num_reqs)
-        if self.suffix is not None:
-            proposals = self.suffix.propose(self._runner.input_batch.req_ids[:num_reqs],
-                                            texts, k)
-        else:
-            proposals = first_proposals(texts, self.proposes, k)
+        proposals = self.suffix.propose(self._runner.input_batch.req_ids[:num_reqs],
+                                        self._texts(num_reqs), k)
+        if self.into_slots:  # the drafter reads them and drafts every request's K
+            self.counters.record_lookup(padded(proposals, k) >= 0, drafter_ran=True)
+            return Plan(proposals, None, True)
         drafter_k = self._drafter_k(proposals)
         runs = not lookups_suffice(proposals, k, self.rows_stay_wide, drafter_k)
         if runs:
@@ -185,20 +176,21 @@ class Lookups:
         lengths, self._lengths = self._lengths, None  # this round's only
         return lengths
 
-    def _texts(self, num_reqs: int) -> list[np.ndarray | None]:
-        """Each request's text as this step's drafts continue it (`texts_of`), built once
-        a step (`step_begins` forgets the last step's)."""
+    def _texts(self, num_reqs: int) -> StepTexts:
+        """Each request's text as this step's drafts continue it, read in pieces
+        (`StepTexts`: nothing is copied until the suffix lookup asks), once a step
+        (`step_begins` forgets the last step's)."""
         if self._step_texts is None:
             assert self.sampled is not None
             sampled, discarded = self.sampled
             batch = self._runner.input_batch
-            self._step_texts = texts_of(batch.token_ids_cpu, batch.num_tokens_no_spec,
-                                        sampled[:num_reqs], discarded)
+            self._step_texts = StepTexts(batch.token_ids_cpu, batch.num_tokens_no_spec,
+                                         sampled[:num_reqs], discarded)
         return self._step_texts
 
     def _drafter_k(self, proposals: list[Sequence[int]]) -> int | None:
         """How many of the drafter's tokens the requests without a lookup run draft this
-        step: `prompt_lookup_drafter_k`, or 0 where the gate measured the lookups alone
+        step: `lookup_drafter_k`, or 0 where the gate measured the lookups alone
         to serve faster at this batch size."""
         if self.gate is None or all(len(p) for p in proposals):
             return self.drafter_k  # not the gate's choice: the drafter would not run anyway

@@ -1,26 +1,27 @@
-"""Suffix lookup beside the drafter: arctic-inference's suffix trees, learning while serving.
+"""The lookup beside the drafter: arctic-inference's suffix trees, learning while serving.
 
 SuffixDecoding (arctic-inference's `SuffixDecodingCache`, what vLLM's `"method":
 "suffix"` runs) keeps a suffix tree of each running request's own text (its prompt,
-then what it has answered so far: a prompt lookup) and one global tree of the answers
-the server has written (a corpus that grows while serving; the oldest of
-`max_cached_requests` answers are dropped first). Each step it matches the end of a
-request's text in both trees and drafts the continuation of the more probable match,
-as many tokens as the tree's counts back (each at least `min_token_prob` likely, at
-most `max_spec_factor` times the match's length, at most K).
+then what it has answered so far) and one global tree of the answers the server has
+written (it grows while serving; the oldest of `max_cached_requests` answers are
+dropped first). Each step it matches the end of a request's text in both trees and
+drafts the continuation of the more probable match, as many tokens as the tree's
+counts back (each at least `min_token_prob` likely, at most `max_spec_factor` times
+the match's length, at most K).
 
-With `"suffix_lookup": true` it takes the place of prompt and corpus lookup in
-`lookups.beside`: everything downstream is the same (the proposals fill the drafts,
-the others keep the drafter's first `prompt_lookup_drafter_k` tokens, the drafts are
-one-hot where sampling needs probabilities, the rejected tokens' states are carried).
-The knobs are vLLM's own `suffix_decoding_*` keys, with vLLM's defaults.
+With `"suffix_lookup": true`, `lookups.beside` asks it each step: its proposals fill
+the drafts, the others keep the drafter's first `lookup_drafter_k` tokens, the drafts
+are one-hot where sampling needs probabilities, the rejected tokens' states are
+carried (`lookups.drafts`). It reads each request's text in pieces
+(`lookups.texts`): per step only the tokens its trees have not learned and the last
+`max_tree_depth` to match. The knobs are vLLM's own `suffix_decoding_*` keys, with
+vLLM's defaults.
 
 The global tree need not start empty: `python -m train suffix-seed` writes up to
-`SEED_ANSWERS` of the train split's answers beside the drafter as `suffix_seed.npz`
-(the answers the corpus table is built from), and `seed` feeds them in at startup, as
-if the server had written them; the server's own answers then replace them oldest
-first. Only answers are stored: the cache keeps a prompt in its request's own tree,
-which is dropped when the request stops.
+`SEED_ANSWERS` of the train split's answers beside the drafter as `suffix_seed.npz`,
+and `seed` feeds them in at startup, as if the server had written them; the server's
+own answers then replace them oldest first. Only answers are stored: the cache keeps
+a prompt in its request's own tree, which is dropped when the request stops.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from itertools import chain, pairwise
 from pathlib import Path
 
 import numpy as np
+
+from vllm_carryover.lookups.texts import Texts
 
 SEED_FILE = "suffix_seed.npz"  # in the drafter folder
 # vLLM's default suffix_decoding_max_cached_requests: the global tree keeps no more
@@ -69,42 +72,45 @@ class SuffixLookup:
             self.cache.stop_request(i)
         return len(kept)
 
-    def learn(self, req_ids: Sequence[str], texts: Sequence[np.ndarray | None],
-              prompt_lens: Sequence[int]) -> None:
-        """Bring the trees up to this step's batch: drop the trees of requests no longer
-        in it (finished, preempted or unscheduled: one that returns starts again from
-        its whole text), start each new request's tree from its prompt, and add the
-        tokens each text gained since the last call (its answer so far, on first sight).
+    def learn(self, req_ids: Sequence[str], texts: Texts, prompt_lens: Sequence[int]) -> None:
+        """Bring the trees up to this step's batch (`texts`: row i is `req_ids[i]`'s):
+        drop the trees of requests no longer in it (finished, preempted or unscheduled:
+        one that returns starts again from its whole text), start each new request's
+        tree from its prompt, and add the tokens each text gained since the last call
+        (its answer so far, on first sight): per request O(new tokens), not O(text).
         Learning from the text rather than from one step's tokens means a step that
-        drafted nothing (K = 0) loses nothing. A text is None in a prefill chunk that
-        sampled nothing: that request is started once its prompt is whole."""
+        drafted nothing (K = 0) loses nothing. A text is None (length None) in a prefill
+        chunk that sampled nothing: that request is started once its prompt is whole."""
         for gone in self._learned.keys() - set(req_ids):
             self.cache.stop_request(gone)  # its answer stays in the global tree
             del self._learned[gone]
-        for req_id, text, prompt_len in zip(req_ids, texts, prompt_lens, strict=True):
-            if text is None:
+        for i, (req_id, prompt_len) in enumerate(zip(req_ids, prompt_lens, strict=True)):
+            length = texts.length(i)
+            if length is None:
                 continue
             if req_id not in self._learned:
                 # replaces an answer of the same request id still in the global tree
-                self.cache.start_request(req_id, _tokens(text[:prompt_len]))
+                self.cache.start_request(req_id, _tokens(texts.piece(i, 0, int(prompt_len))))
                 self._learned[req_id] = int(prompt_len)
-            if len(text) > self._learned[req_id]:
-                self.cache.add_active_response(req_id, _tokens(text[self._learned[req_id]:]))
-                self._learned[req_id] = len(text)
+            if length > self._learned[req_id]:
+                self.cache.add_active_response(
+                    req_id, _tokens(texts.piece(i, self._learned[req_id])))
+                self._learned[req_id] = length
 
-    def propose(self, req_ids: Sequence[str], texts: Sequence[np.ndarray | None], k: int
-                ) -> list[Sequence[int]]:
+    def propose(self, req_ids: Sequence[str], texts: Texts, k: int) -> list[Sequence[int]]:
         """Each request's draft of at most `k` tokens (empty where the trees have none,
-        or where the text is None); call `learn` with the same batch first."""
+        or where the text is None), matching the last `max_tree_depth` tokens of its
+        text; call `learn` with the same batch first."""
         out: list[Sequence[int]] = []
-        for req_id, text in zip(req_ids, texts, strict=True):
+        for i, req_id in enumerate(req_ids):
+            length = texts.length(i)
             # the bonus token after the drafts needs a position within max_model_len too
-            room = 0 if text is None else min(k, self.max_model_len - len(text) - 1)
+            room = 0 if length is None else min(k, self.max_model_len - length - 1)
             if room <= 0:  # (the cache reads max_spec_tokens 0 as "up to the tree depth")
                 out.append(())
                 continue
-            draft = self.cache.speculate(req_id, _tokens(text[-self.max_tree_depth:]),
-                                         max_spec_tokens=room,
+            end = texts.piece(i, max(length - self.max_tree_depth, 0))
+            draft = self.cache.speculate(req_id, _tokens(end), max_spec_tokens=room,
                                          max_spec_factor=self.max_spec_factor,
                                          min_token_prob=self.min_token_prob)
             out.append(draft.token_ids)

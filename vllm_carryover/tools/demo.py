@@ -14,7 +14,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_carryover.lookups.corpus import CORPUS_FILE
 from vllm_carryover.tools.run_settings import (
     DRAFTERS_VAR,
     SHIPPED_LOOKUPS,
@@ -79,11 +78,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.to
         "same server without speculation.")
     p.add_argument("--drafter", type=Path, help="drafter folder (default: the shipped one)")
     p.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
-    p.add_argument("--no-prompt-lookup", dest="prompt_lookup", action="store_false",
-                   help="draft with the drafter alone (default: prompt lookup where the "
-                   "text repeats, else the corpus lookup where the drafter folder has a "
-                   f"{CORPUS_FILE}, else the drafter's first token; with K by goodput this "
-                   "is the shipped configuration measured in docs/results.md)")
+    p.add_argument("--no-lookup", dest="lookup", action="store_false",
+                   help="draft with the drafter alone (default: the suffix lookup where its "
+                   "trees of the request's text and of past answers continue the text, "
+                   "else the drafter's first token; with K by goodput this is the shipped "
+                   "configuration measured in docs/results.md)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 on a GPU or a CPU with native bf16 matmuls, else "
@@ -99,8 +98,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.to
     logs = a.logs or Path(tempfile.mkdtemp(prefix="carryover-demo-"))
     drafter = a.drafter or default_drafter(target, logs)
     spec = {"method": "carryover", "model": str(drafter), "num_speculative_tokens": a.k}
-    if a.prompt_lookup:
-        spec |= SHIPPED_LOOKUPS | {"corpus_lookup": (drafter / CORPUS_FILE).is_file()}
+    if a.lookup:
+        spec |= SHIPPED_LOOKUPS
     env = serving_env()  # both servers alike
     print(f"target : {target}\ndrafter: {drafter}\ndtype  : {a.dtype}\nlogs   : {logs}")
     print(f"env    : {' '.join(f'{k}={v}' for k, v in env.items()) or '(as set)'}\n")
@@ -135,9 +134,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m vllm_carryover.to
           "non-empty slot".format(delta.get("vllm:carryover_rejected_states_total", 0),
                                   delta.get("vllm:carryover_nonempty_slot_rounds_total", 0),
                                   delta.get("vllm:carryover_draft_rounds_total", 0)))
-    if a.prompt_lookup:
-        print("prompt and corpus lookup: {:.0f} of those rounds drafted repeated text or "
-              "the target's usual phrases; {:.0f} steps drafted from them alone and skipped "
+    if a.lookup:
+        print("suffix lookup: {:.0f} of those rounds drafted repeated text or past "
+              "answers' phrases; {:.0f} steps drafted from it alone and skipped "
               "the drafter".format(delta.get("vllm:carryover_lookup_rounds_total", 0),
                                    delta.get("vllm:carryover_lookup_only_steps_total", 0)))
     plain_tps, tps = plain_tokens / plain_s, tokens / seconds

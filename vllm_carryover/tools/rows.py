@@ -16,15 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from vllm_carryover.drafter.source import is_hub_id
-from vllm_carryover.lookups.prompt import DEFAULT_MAX_N, DEFAULT_MIN_N
-from vllm_carryover.tools.run_settings import REPO, SHIPPED_LOOKUPS, SUFFIX_LOOKUPS
+from vllm_carryover.tools.run_settings import REPO, SHIPPED_LOOKUPS
 
-# The served configurations with lookups beside the drafter: K by goodput and the lookups'
-# keys, carryover as the drafter's default.
-LOOKUP_KINDS = {"carryover-lookup": SHIPPED_LOOKUPS, "carryover-suffix": SUFFIX_LOOKUPS}
+# The served configuration with the lookup beside the drafter: K by goodput and the
+# lookup's keys, carryover as the drafter's default.
+LOOKUP_KINDS = {"carryover-lookup": SHIPPED_LOOKUPS}
 DRAFTER_KINDS = ("dflash", "carryover", "carryover-off", *LOOKUP_KINDS)
-# the n-gram row matches what `"prompt_lookup": true` matches
-NGRAM_LOOKUP = {"prompt_lookup_min": DEFAULT_MIN_N, "prompt_lookup_max": DEFAULT_MAX_N}
+# vLLM's n-gram matcher over the request's text, 2 to 4 tokens (vLLM's default is 5)
+NGRAM_LOOKUP = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 _NAME = re.compile(r"[A-Za-z0-9_.+-]+")
 
 ROW_GRAMMAR = """\
@@ -38,11 +37,8 @@ rows: --row NAME=SPEC (repeatable; the table shows them in this order). SPEC is
                        in-tree dflash cannot serve)
   carryover-lookup:PATH
                        the shipped configuration on a drafter folder: K by goodput,
-                       prompt lookup, else corpus lookup, else one drafter token
-  carryover-suffix:PATH
-                       the same with suffix lookup (arctic-inference's trees of the
-                       request's text and of past answers) in place of prompt and
-                       corpus lookup
+                       the suffix lookup (arctic-inference's trees of the request's
+                       text and of past answers), else one drafter token
   {JSON}               any speculative_config; num_speculative_tokens defaults to -k
 NAME= may be left out; the row is then named after SPEC's kind (none, ngram, ...).
 Relative paths are taken from the current directory, else from the repository.
@@ -111,7 +107,7 @@ def speculative_config(spec: str, k: int) -> dict[str, Any] | None:
     if spec == "none":
         return None
     if spec == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, **NGRAM_LOOKUP}
+        return {**NGRAM_LOOKUP, "num_speculative_tokens": k}
     if spec.startswith("{"):
         cfg = dict(json.loads(spec))
         cfg.setdefault("num_speculative_tokens", k)

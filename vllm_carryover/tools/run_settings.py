@@ -19,12 +19,10 @@ SHIPPED_DRAFTERS = REPO / "train" / "checkpoints" / "smollm2-135m-instruct"
 # variable: a folder holding `carryover/` and `dflash-baseline/`, as the checkout's
 # train/checkpoints/smollm2-135m-instruct does.
 DRAFTERS_VAR = "VLLM_CARRYOVER_DRAFTERS"
-# The shipped lookups beside the drafter: prompt lookup where the text repeats, else the
-# target's usual phrase (corpus lookup), else the drafter's first token; the fastest
-# measured (docs/results.md).
-SHIPPED_LOOKUPS = {"prompt_lookup": True, "corpus_lookup": True, "prompt_lookup_drafter_k": 1}
-# Their rival: arctic-inference's suffix trees in place of prompt and corpus lookup.
-SUFFIX_LOOKUPS = {"suffix_lookup": True, "prompt_lookup_drafter_k": 1}
+# The shipped lookup beside the drafter: arctic-inference's suffix trees of the request's
+# text and of past answers where they continue it, else the drafter's first token
+# (docs/results.md).
+SHIPPED_LOOKUPS = {"suffix_lookup": True, "lookup_drafter_k": 1}
 # Serving length of every measuring run: the longest held-out prompt (1-2k-token
 # passages) plus its answer fits.
 SERVE_MAX_MODEL_LEN = 4096

@@ -1,65 +1,27 @@
-"""Prompt lookup beside the drafter (`vllm_carryover.lookups.prompt`), without an engine."""
+"""How lookup proposals become drafts (`vllm_carryover.lookups.drafts`), without an
+engine: proposals in the leading slots, the drafter's tokens beside them, one-hot draft
+distributions for lookup tokens, and only the drafter rows a request can keep scored."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from vllm_carryover.lookups.prompt import (
-    PromptLookup,
+from vllm_carryover.lookups.drafts import (
     draft_lengths,
     drafter_rows_kept,
-    first_proposals,
     lookups_suffice,
     make_lookup_probs_one_hot,
     one_hot_probs,
     score_leading_rows,
-    texts_of,
     write_drafts,
 )
 
 
-def test_text_is_the_committed_tokens_then_this_steps_accepted_ones() -> None:
-    table = np.array([[1, 2, 3, 0, 0, 0], [4, 5, 0, 0, 0, 0], [6, 7, 8, 9, 0, 0]],
-                     dtype=np.int32)
-    sampled = torch.tensor([[10, 11, -1], [12, -1, -1], [99, -1, -1]])
-    discarded = torch.tensor([False, False, True, False])  # vLLM's mask is max_num_reqs long
-    texts = texts_of(table, np.array([3, 2, 4]), sampled, discarded)
-    assert texts[0].tolist() == [1, 2, 3, 10, 11]
-    assert texts[1].tolist() == [4, 5, 12]
-    assert texts[2] is None  # a prefill chunk that sampled nothing
-
-
-def test_a_repeated_text_drafts_what_followed_and_the_rest_keeps_the_drafter() -> None:
-    lookup = PromptLookup(min_n=2, max_n=4, max_model_len=1024)
-    repeated = np.array([5, 6, 7, 8, 9, 5, 6], dtype=np.int32)  # "5 6" was followed by 7 8 9
-    fresh = np.array([1, 2, 3, 4], dtype=np.int32)
+def test_proposals_fill_the_leading_slots_and_the_rest_keeps_the_drafter() -> None:
     drafts = torch.full((3, 4), -7, dtype=torch.int64)
-    proposals = first_proposals([repeated, fresh, None], [lookup.propose], 4)
-    from_lookup = write_drafts(drafts, proposals)
-    # the match's continuation runs out after 7 8 9 5 6; K = 4 takes 7 8 9 5
-    assert drafts[0].tolist() == [7, 8, 9, 5]
-    assert drafts[1].tolist() == drafts[2].tolist() == [-7] * 4
-    assert from_lookup.tolist() == [[True] * 4, [False] * 4, [False] * 4]
-
-
-def test_a_short_match_leaves_the_drafters_tail() -> None:
-    lookup = PromptLookup(min_n=2, max_n=4, max_model_len=1024)
-    drafts = torch.full((1, 4), -7, dtype=torch.int64)
-    from_lookup = write_drafts(drafts, first_proposals(
-        [np.array([3, 4, 5, 3, 4], dtype=np.int32)], [lookup.propose], 4))
-    assert drafts[0].tolist() == [5, 3, 4, -7]
-    assert from_lookup[0].tolist() == [True, True, True, False]
-
-
-def test_each_request_takes_the_first_lookup_that_proposes() -> None:
-    first = {3: [7, 7]}.get  # proposes only after a 3
-    def prompt(text: np.ndarray, k: int) -> list[int]:
-        return first(int(text[-1]), [])[:k]
-    def corpus(text: np.ndarray, k: int) -> list[int]:
-        return [9] * k
-    texts = [np.array([1, 3]), np.array([1, 2]), None]
-    assert first_proposals(texts, [prompt, corpus], 3) == [[7, 7], [9, 9, 9], ()]
+    from_lookup = write_drafts(drafts, [[7, 8, 9, 5], [5, 3], ()])
+    assert drafts.tolist() == [[7, 8, 9, 5], [5, 3, -7, -7], [-7] * 4]
+    assert from_lookup.tolist() == [[True] * 4, [True, True, False, False], [False] * 4]
 
 
 def test_the_drafter_is_skipped_where_no_request_keeps_its_tokens() -> None:

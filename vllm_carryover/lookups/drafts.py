@@ -1,29 +1,22 @@
-"""Prompt lookup beside the drafter: where a request repeats earlier text, draft it.
+"""How lookup proposals become drafts: the suffix lookup's (`lookups.suffix`) tokens
+in the leading slots of a request's draft row, the drafter's beside them.
 
-vLLM's n-gram proposer finds the longest earlier occurrence (2 to 4 tokens by
-default) of a request's last tokens and proposes the tokens that followed it.
-Where a response repeats its prompt or itself (code, translation, quoted text)
-that drafts long runs that are right; elsewhere it proposes nothing. The
-drafter drafts everywhere, in short runs. With `"prompt_lookup": true` a
-carryover step takes the lookup's proposal for each request that has one and
-the drafter's first `prompt_lookup_drafter_k` tokens for the others
-(`draft_lengths`; why one drafter token: docs/results.md). The lookups run first:
-a step in which every request has a lookup run skips the drafter's forward
-(`lookups_suffice`; most steps at batch 1, docs/results.md). A step in which
-the drafter does run scores only the positions a request can keep
-(`drafter_rows_kept`, `score_leading_rows`): with `prompt_lookup_drafter_k` 1 its
-LM head covers one row per request instead of K.
+A request the lookup has a proposal for drafts it; the others keep the drafter's
+first `lookup_drafter_k` tokens (`draft_lengths`; why one drafter token:
+docs/results.md). The lookup runs first: a step in which every request has a
+proposal skips the drafter's forward (`lookups_suffice`; most steps at batch 1). A
+step in which the drafter does run scores only the positions a request can keep
+(`drafter_rows_kept`, `score_leading_rows`): with `lookup_drafter_k` 1 its LM head
+covers one row per request instead of K.
 
 Sampling stays exact: a lookup token is a deterministic proposal, so its draft
-distribution is one-hot (what vLLM's rejection sampler assumes for n-gram
-drafts). Where a row must stay K wide (vLLM's async scheduling), the drafter's
-tokens after a short run stay too; they were drawn from distributions that do
-not depend on the lookup's. The rejected lookup tokens are carried into the
-next draft like any other: they are the target's states of rejected tokens,
-which is what the drafter's rejected embedding marks.
-
-The matcher is vLLM's own (`ngram_proposer`), so a lookup proposes exactly what
-vLLM's n-gram method would on the same text.
+distribution is one-hot (`one_hot_probs`, `make_lookup_probs_one_hot`; what vLLM's
+rejection sampler assumes for n-gram and suffix drafts). Where a row must stay K
+wide (vLLM's async scheduling), the drafter's tokens after a short run stay too;
+they were drawn from distributions that do not depend on the lookup's. The
+rejected lookup tokens are carried into the next draft like any other: they are
+the target's states of rejected tokens, which is what the drafter's rejected
+embedding marks.
 """
 
 from __future__ import annotations
@@ -35,41 +28,6 @@ import numpy as np
 
 if TYPE_CHECKING:
     import torch
-
-DEFAULT_MIN_N, DEFAULT_MAX_N = 2, 4  # n-gram lengths; the benchmarks' n-gram row uses them too
-# A lookup: up to K draft ids continuing a request's text (prompt or corpus lookup).
-Propose = Callable[[np.ndarray, int], Sequence[int]]
-
-
-class PromptLookup:
-    """vLLM's n-gram matcher over each request's text, one batch of drafts at a time."""
-
-    def __init__(self, min_n: int, max_n: int, max_model_len: int) -> None:
-        from vllm.v1.spec_decode.ngram_proposer import (
-            _find_longest_matched_ngram_and_propose_tokens as match,
-        )
-
-        self.min_n, self.max_n, self.max_model_len = min_n, max_n, max_model_len
-        self._match = match
-        match(np.zeros(8, dtype=np.int32), min_n, max_n, max_model_len, 1)  # numba compiles
-
-    def propose(self, text: np.ndarray, k: int) -> np.ndarray:
-        """Up to `k` tokens that followed the longest earlier match of `text`'s end."""
-        return self._match(text, self.min_n, self.max_n, self.max_model_len, k)
-
-
-def first_proposals(texts: list[np.ndarray | None], lookups: list[Propose], k: int
-                    ) -> list[Sequence[int]]:
-    """Each request's proposal of at most `k` tokens from the first of `lookups` that
-    has one for its text (empty where none has, or where the text is None)."""
-    out: list[Sequence[int]] = []
-    for text in texts:
-        found: Sequence[int] = ()
-        for propose in lookups if text is not None else ():
-            if len(found := propose(text, k)):
-                break
-        out.append(found)
-    return out
 
 
 def lookups_suffice(proposals: list[Sequence[int]], k: int, rows_stay_wide: bool,
@@ -94,24 +52,6 @@ def write_drafts(drafts: torch.Tensor, proposals: list[Sequence[int]]) -> torch.
             drafts[i, : len(found)] = torch.as_tensor(np.asarray(found, dtype=np.int64))
             from_lookup[i, : len(found)] = True
     return from_lookup.to(drafts.device)
-
-
-def texts_of(token_ids: np.ndarray, num_tokens: np.ndarray, sampled: torch.Tensor,
-             discarded: torch.Tensor) -> list[np.ndarray | None]:
-    """Each request's whole text as the drafts will continue it: its committed tokens
-    (vLLM's token table) and the tokens this step sampled (accepted drafts and the bonus,
-    -1 where rejected), which vLLM appends to the table only after drafting. None for a
-    request that sampled nothing this step (a prefill chunk that is not its last)."""
-    sampled_np = sampled.cpu().numpy()
-    discarded_np = discarded[: len(sampled_np)].cpu().numpy()
-    out: list[np.ndarray | None] = []
-    for i, row in enumerate(sampled_np):
-        if discarded_np[i]:
-            out.append(None)
-            continue
-        out.append(np.concatenate((token_ids[i, : num_tokens[i]],
-                                   row[row >= 0].astype(token_ids.dtype))))
-    return out
 
 
 def one_hot_probs(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:
