@@ -44,7 +44,7 @@ def brute_force_target_hits(setup: dict[str, Path]) -> tuple[int, int, float]:
     from vllm_carryover.train.draft_verify_draft import draft_verify_draft
     from vllm_carryover.train.headroom import heldout_sequences, load_drafter
 
-    drafter = load_drafter(str(setup["target"]), str(setup["drafter"]))
+    drafter, _ = load_drafter(str(setup["target"]), str(setup["drafter"]), DATA)
     full = AutoModelForCausalLM.from_pretrained(setup["target"], dtype=torch.float32).eval()
     seqs = heldout_sequences(str(setup["target"]), DATA, list(drafter.config.target_layer_ids))
     gen = torch.Generator().manual_seed(1234)

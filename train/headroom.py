@@ -157,10 +157,10 @@ def heldout_sequences(target: str, data: str, layer_ids: list[int]) -> list[Any]
     return [feed(s) for s in load_sequences(data)["heldout"]]
 
 
-def load_drafter(target: str, init: str, data: str | None = None) -> Any:
-    """A TorchDrafter (eval mode) from a drafter folder or a run name; for a drafter
-    that reads lookup proposals in its slots, also the `proposals` feed (given `data`)
-    that gives a held-out sequence its proposals, else a feed that leaves it as it is."""
+def load_drafter(target: str, init: str, data: str) -> tuple[Any, Any]:
+    """(a TorchDrafter in eval mode from a drafter folder or a run name, the feed that
+    gives a held-out sequence of `data` the drafter's slot proposals: for a drafter
+    that reads mask tokens, one that leaves it as it is)."""
     from vllm_carryover.train.carryover import load_init
     from vllm_carryover.train.slot_proposals import proposal_feeds
 
@@ -172,8 +172,6 @@ def load_drafter(target: str, init: str, data: str | None = None) -> Any:
     dcfg = DrafterConfig.from_dict({k: v for k, v in cfg.items() if k != "carryover_config"})
     drafter = TorchDrafter(dcfg, target_embedding(target))
     drafter.load_checkpoint_state(state)
-    if data is None:
-        return drafter.eval()
     return drafter.eval(), proposal_feeds(cfg, data, lambda seq: seq)[1]
 
 
