@@ -28,6 +28,13 @@ counters. The results record each row's server: its `vllm serve` command line an
 environment variables that steer vLLM, OpenMP, numba and arctic-inference. Every
 server started is stopped on the way out, also when one fails to start.
 
+The default rows are what a user could run instead (no speculation, vLLM's n-gram and
+suffix decoding), the drafter alone (`drafter`: the slot-proposal drafter, whose slots
+read the suffix trees' proposals) and the shipped configuration (`carryover-lookup`).
+vLLM's in-tree DFlash (`--row dflash:PATH`) is not among them: on the 2-core CPU it
+served 0.99x / 0.77x no speculation at concurrency 1 / 4 and about 2 tok/s at 16, where
+a run of 32 requests did not end in 10 minutes (`benchmarks/results/serving/must-show/`).
+
 Writes serving.json, serving.md, serving_throughput.png, the prompt slices and the
 server logs to --out.
 """
@@ -75,16 +82,10 @@ from vllm_carryover.tools.server_process import VllmServer
 
 SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 
-# K per step by measured goodput (vllm_carryover/control/goodput_k.py), 0 included.
-GOODPUT = {"method": "carryover", "model": str(SMOLLM2 / "carryover"),
-           "num_speculative_tokens_per_batch_size": "goodput"}
 # The shipped configuration, the suffix lookup beside the drafter, is the last row
 # (`tools.rows`).
 DEFAULT_ROWS = ["none", "ngram", SUFFIX_ROW,
-                f"dflash=dflash:{SMOLLM2 / 'dflash-baseline'}",
-                f"carryover-off=carryover-off:{SMOLLM2 / 'carryover'}",
-                f"carryover=carryover:{SMOLLM2 / 'carryover'}",
-                f"carryover-goodput={json.dumps(GOODPUT)}",
+                f"drafter=carryover-off:{SMOLLM2 / 'slot-proposals'}",
                 f"carryover-lookup:{SMOLLM2 / 'carryover'}"]
 PROMPT_SETS = ("outside", "heldout")
 SIZES: dict[str, dict[str, Any]] = {
@@ -201,16 +202,16 @@ def write_slices(texts: list[str], plan: list[Slice], folder: Path) -> dict[str,
 
 
 METRICS = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")
-KV_CACHE_BYTES = 512 << 20  # per server; the eight default rows share the machine's memory
+KV_CACHE_BYTES = 512 << 20  # per server; up to eight rows share the machine's memory
 # vLLM's own model-free methods: the faster of them at each concurrency is the bar.
 PEERS = ("ngram", "suffix")
 # The issues' throughput goals, checked where the rows exist: (row, baseline, concurrency,
 # least ratio of output tok/s); a baseline of PEERS is the faster of those rows.
-GOALS = [*((row, base, c, goal) for row in ("carryover-lookup", "carryover-goodput")
+GOALS = [*(("carryover-lookup", base, c, goal)
            for base, c, goal in (("none", 1, 2.5), (PEERS, 1, 1.3), ("none", 4, 1.6),
                                  (PEERS, 4, 1.1), ("none", 16, 1.05), ("none", 32, 1.05))),
          # the drafter alone
-         ("carryover", "none", 1, 2.0), ("carryover", "ngram", 1, 1.2)]
+         ("drafter", "none", 1, 2.0), ("drafter", "ngram", 1, 1.2)]
 # Environment variables that steer a server's threads and kernels, recorded per row.
 ENV_PREFIXES = ("VLLM_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "NUMBA_", "ARCTIC_",
                 "TORCH", "PYTORCH_", "CUDA_VISIBLE_DEVICES", "LD_PRELOAD", "MALLOC_")

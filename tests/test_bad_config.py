@@ -96,6 +96,12 @@ def add_markov_head(drafter: Path, rank: int = 4) -> None:
     edit_weights(drafter, lambda state: state.update(fresh_markov_state(49152, rank)))
 
 
+def add_confidence_levels(drafter: Path, levels: int = 9) -> None:
+    import torch
+
+    edit_weights(drafter, lambda state: state.update(slot_confidence=torch.zeros(levels, 576)))
+
+
 def add_draft_vocab(ids: list[int], d2t_dtype: str = "int64", size_in_config: bool = True
                     ) -> Callable[[Path], None]:
     """A draft vocabulary over target ids `ids` (as given: possibly out of order)."""
@@ -119,6 +125,10 @@ def set_config(**values: Any) -> Callable[[Path], None]:
 
 def set_dflash_config(**values: Any) -> Callable[[Path], None]:
     return lambda drafter: edit_config(drafter, lambda cfg: cfg["dflash_config"].update(values))
+
+
+SLOTS = {"source": "suffix", "max_tree_depth": 24, "max_cached_requests": 10000,
+         "min_token_prob": 0.0, "max_spec_factor": 8.0}  # a slot drafter's settings
 
 
 @dataclass(frozen=True)
@@ -205,9 +215,7 @@ BAD_INPUTS: dict[str, BadInput] = {
         ("reads the suffix lookup's proposals in its draft slots (slot_proposals in its "
          "config.json)", "remove ['suffix_lookup', 'suffix_decoding_min_token_prob']"),
         spec={"suffix_lookup": True, "suffix_decoding_min_token_prob": 0.5},
-        break_drafter=set_config(slot_proposals={
-            "source": "suffix", "max_tree_depth": 24, "max_cached_requests": 10000,
-            "min_token_prob": 0.0, "max_spec_factor": 8.0})),
+        break_drafter=set_config(slot_proposals=SLOTS)),
     "unpadded_drafter_batch": BadInput(("needs vLLM's padded drafter batch",
                                         "remove 'disable_padded_drafter_batch'"),
                                        spec={"disable_padded_drafter_batch": True}),
@@ -270,6 +278,13 @@ BAD_INPUTS: dict[str, BadInput] = {
                                        break_drafter=set_config(markov_rank=2.5)),
     "markov_rank_string": BadInput(("has markov_rank '8'; it must be a non-negative",),
                                    break_drafter=set_config(markov_rank="8")),
+    # the slots' confidence levels (a drafter reading lookup proposals in its slots)
+    "confidence_levels_without_embedding": BadInput(
+        ("lack 1 tensors (first: slot_confidence)",),
+        break_drafter=set_config(slot_proposals=SLOTS | {"confidence_levels": 9})),
+    "confidence_embedding_without_levels": BadInput(
+        ("hold the slots' confidence levels (slot_confidence)", "add \"confidence_levels\": L"),
+        break_drafter=lambda d: (set_config(slot_proposals=SLOTS)(d), add_confidence_levels(d))),
     # a draft vocabulary (the LM head over a subset of the target's tokens)
     "draft_vocab_without_size": BadInput(
         ("hold a draft vocabulary (d2t) but config.json has no draft_vocab_size",),

@@ -24,6 +24,7 @@ from vllm_carryover.tools.run_settings import (
 )
 
 CARRYOVER = f"carryover=carryover:{SHIPPED_DRAFTERS / 'carryover'}"
+DRAFTER = f"drafter=carryover:{SHIPPED_DRAFTERS / 'carryover'}"  # the drafter alone
 K = 7
 MAX_TOKENS = 16
 REQUESTS = 5
@@ -100,7 +101,7 @@ def test_serving_quick_result_has_ratios_to_no_speculation_and_stops_servers(
         monkeypatch: pytest.MonkeyPatch) -> None:
     for var in (*CPU_BINDING_VARS, NUMBA_LAYER_VAR):
         monkeypatch.delenv(var, raising=False)
-    benchmarks_main(["serving", "--quick", "--row", "none", "--row", CARRYOVER,
+    benchmarks_main(["serving", "--quick", "--row", "none", "--row", DRAFTER,
                      "--prompt-set", "heldout", "--requests", str(REQUESTS),
                      "--max-tokens", str(MAX_TOKENS),
                      "--concurrency", "1,4", "--repeats", "2", "--warmup-runs", "1",
@@ -116,14 +117,14 @@ def test_serving_quick_result_has_ratios_to_no_speculation_and_stops_servers(
     numba_pool = {NUMBA_LAYER_VAR: "workqueue"}
     assert result["args"]["server_env"] == {
         "none": numba_pool | {"VLLM_CPU_OMP_THREADS_BIND": "auto"},
-        "carryover": numba_pool | {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
+        "drafter": numba_pool | {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
     assert "reserve_cpu_num=0" not in (tmp_path / "logs/none.log").read_text()
-    assert "reserve_cpu_num=0" in (tmp_path / "logs/carryover.log").read_text()
+    assert "reserve_cpu_num=0" in (tmp_path / "logs/drafter.log").read_text()
     # ... and as each server got it: its command line and the variables that steer it
     for row, server in result["args"]["servers"].items():
         assert " vllm serve " in " " + server["command"] and "--port" in server["command"]
         assert server["env"][NUMBA_LAYER_VAR] == "workqueue", row
-    assert result["args"]["servers"]["carryover"]["command"].startswith(
+    assert result["args"]["servers"]["drafter"]["command"].startswith(
         f"{NUMBA_LAYER_VAR}=workqueue VLLM_CPU_NUM_OF_RESERVED_CPU=0 vllm serve ")
     assert {"date", "command", "machine", "args", "runs", "table", "goals", "summary",
             "plots"} <= set(result)
@@ -133,17 +134,17 @@ def test_serving_quick_result_has_ratios_to_no_speculation_and_stops_servers(
     assert heldout["prompts_per_category"] == 5
     assert [s["prompts"] for s in result["args"]["slices"]] == [
         [0, 1], [1, 6], [6, 11], [11, 15], [15, 20], [20, 25]]
-    assert result["args"]["model_runners"] == {"none": "V1", "carryover": "V1"}
-    assert "model runner: none V1, carryover V1" in result["summary"]
+    assert result["args"]["model_runners"] == {"none": "V1", "drafter": "V1"}
+    assert "model runner: none V1, drafter V1" in result["summary"]
     # every row at every concurrency, each repeat, the second repeat in reverse order;
     # the untimed warm-up runs before them are not among the runs
     assert result["args"]["warmup_runs"] == 1
     assert sorted(p.name for p in (tmp_path / "raw/heldout").glob("*warmup*")) == [
-        f"{row}-c{c}-warmup0.json" for row in ("carryover", "none") for c in (1, 4)]
+        f"{row}-c{c}-warmup0.json" for row in ("drafter", "none") for c in (1, 4)]
     order = [(r["concurrency"], r["repeat"], r["row"]) for r in result["runs"]]
-    assert order == [(1, 0, "none"), (1, 0, "carryover"), (1, 1, "carryover"),
-                     (1, 1, "none"), (4, 0, "none"), (4, 0, "carryover"),
-                     (4, 1, "carryover"), (4, 1, "none")]
+    assert order == [(1, 0, "none"), (1, 0, "drafter"), (1, 1, "drafter"),
+                     (1, 1, "none"), (4, 0, "none"), (4, 0, "drafter"),
+                     (4, 1, "drafter"), (4, 1, "none")]
     for run in result["runs"]:
         assert run["completed"] == REQUESTS and run["failed"] == 0
         assert run["prompt_set"] == "heldout" and run["prompts"][1] - run["prompts"][0] == 5
@@ -151,16 +152,16 @@ def test_serving_quick_result_has_ratios_to_no_speculation_and_stops_servers(
         assert len(run["ttfts_ms"]) == run["completed"]
         assert sum(run["ttfts_ms"]) / len(run["ttfts_ms"]) == pytest.approx(
             run["mean_ttft_ms"], abs=0.1)
-        assert (run["drafts"] > 0) == (run["row"] == "carryover")
+        assert (run["drafts"] > 0) == (run["row"] == "drafter")
         assert 0 <= run["gated_off_steps"] <= run["lookup_only_steps"] <= run["drafts"]
     for c in ("1", "4"):
         assert table["none"][c]["vs_none"]["output_throughput"] == 1.0
-        cell = table["carryover"][c]
+        cell = table["drafter"][c]
         assert cell["repeats"] == 2 and cell["tau"] >= 1
         assert cell["vs_none"]["output_throughput"] == pytest.approx(
             cell["output_throughput"] / table["none"][c]["output_throughput"], rel=1e-3)
     assert [(g["prompt_set"], g["row"], g["baseline"], g["concurrency"])
-            for g in result["goals"]] == [("heldout", "carryover", "none", 1)]
+            for g in result["goals"]] == [("heldout", "drafter", "none", 1)]
     assert (tmp_path / "serving_throughput.png").stat().st_size > 0
     assert (tmp_path / "serving.md").read_text() == result["summary"]
 

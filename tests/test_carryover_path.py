@@ -123,16 +123,20 @@ def test_vllm_draft_logits_equal_explicit_attention_over_context_and_slot(traced
             torch.testing.assert_close(r["got"], r["without_slot"], atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("levels", [0, 9], ids=["token-ids", "confidence-levels"])
 def test_slot_proposal_drafter_reads_its_requests_suffix_tree_in_its_query_block(
-        tiny, tmp_path):
+        tiny, tmp_path, levels):
     """A drafter trained on the suffix lookup's proposals (`slot_proposals` in its
     config.json): every query block holds, after the bonus token, what a suffix tree of
     the request's text so far proposes (one request and no seed: its own tree is the
-    only one), mask tokens past it, and the draft logits are the drafter's over exactly
-    those ids."""
+    only one; with confidence levels, as slot codes), mask tokens past it, and the draft
+    logits are the drafter's over exactly those codes."""
     import json
     import shutil
 
+    from safetensors.torch import load_file, save_file
+
+    from vllm_carryover.lookups.slots import slot_codes
     from vllm_carryover.lookups.suffix import SuffixLookup
     from vllm_carryover.lookups.texts import WholeTexts
 
@@ -141,6 +145,11 @@ def test_slot_proposal_drafter_reads_its_requests_suffix_tree_in_its_query_block
              "min_token_prob": 0.0, "max_spec_factor": 8.0}
     drafter = Path(shutil.copytree(drafter_dir, tmp_path / "slot-drafter"))
     cfg = json.loads((drafter / "config.json").read_text())
+    if levels:  # a random level embedding, so that the levels move the logits
+        slots["confidence_levels"] = levels
+        weights = load_file(str(drafter / "model.safetensors"))
+        weights["slot_confidence"] = torch.randn(levels, cfg["hidden_size"])
+        save_file(weights, str(drafter / "model.safetensors"))
     (drafter / "config.json").write_text(json.dumps(cfg | {"slot_proposals": slots}))
     prompt = [7, 8, 9, 10, 11, 12] * 4 + [7, 8]  # a repeating prompt: its tree proposes
     outputs: list[list[int]] = []
@@ -154,10 +163,13 @@ def test_slot_proposal_drafter_reads_its_requests_suffix_tree_in_its_query_block
         lookup = SuffixLookup(24, 10000, 8.0, 0.0, max_model_len=1 << 20)
         seen = WholeTexts([torch.tensor(text[:block_start + 1]).numpy()])
         lookup.learn(["req"], seen, [len(prompt)])
-        want = list(lookup.propose(["req"], seen, K)[0])
+        want = slot_codes(lookup.drafts(["req"], seen, K), K,
+                          cfg["vocab_size"] if levels else None)[0]
         mask = cfg["dflash_config"]["mask_token_id"]
-        assert r["query_ids"][1:].tolist() == want + [mask] * (K - len(want))
-        filled += len(want)
+        assert r["query_ids"][1:].tolist() == [c if c >= 0 else mask for c in want.tolist()]
+        filled += int((want >= 0).sum())
+        if levels:
+            assert bool((want[want >= 0] >= cfg["vocab_size"]).all())
     assert filled > 2 * len(results)
 
 

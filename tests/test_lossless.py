@@ -226,6 +226,46 @@ def test_slot_proposal_drafter_stays_identical(smollm2, prompts, shipped_drafter
     the target's answers to half of the prompts; its drafts stay its own, verified as
     any, so the output is the target's. (Which ids reach its query blocks, and that its
     logits are its own over them: tests/test_carryover_path.py.)"""
+    drafter = seeded_slot_drafter(shipped_drafters, tmp_path, reference_fp32, len(prompts))
+    out = generate(smollm2, prompts, tmp_path, "slot-proposals", drafter, carryover=False)
+    assert out["token_ids"] == reference_fp32["token_ids"]
+    assert out["carryover"]["carryover_lookup_rounds"] > 0
+    assert out["spec"]["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_slot_proposal_drafter_with_a_markov_head_stays_identical(
+        smollm2, prompts, shipped_drafters, reference_fp32, tmp_path):
+    """The semi-autoregressive variant of the slot design: the same drafter with a
+    Markov head (random, so it moves the drafts) drafts its block left to right over
+    the proposals in its slots; the output is still the target's."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from vllm_carryover.drafter.format import WEIGHTS_FILE
+    from vllm_carryover.drafter.markov_head import MARKOV_W2, fresh_markov_state
+
+    drafter = seeded_slot_drafter(shipped_drafters, tmp_path, reference_fp32, len(prompts))
+    for name in (WEIGHTS_FILE, "config.json"):
+        (drafter / name).unlink()  # links to the shipped files: written anew below
+    shipped = shipped_drafters / "slot-proposals"
+    weights = load_file(str(shipped / WEIGHTS_FILE))
+    head = fresh_markov_state(49152, 8, seed=1)
+    head[MARKOV_W2] = 0.5 * torch.randn_like(head[MARKOV_W2])
+    dtype = next(iter(weights.values())).dtype
+    save_file(weights | {k: v.to(dtype) for k, v in head.items()}, str(drafter / WEIGHTS_FILE))
+    cfg = json.loads((shipped / "config.json").read_text())
+    (drafter / "config.json").write_text(json.dumps(cfg | {"markov_rank": 8}))
+    out = generate(smollm2, prompts, tmp_path, "slot-markov", drafter, carryover=False)
+    assert out["token_ids"] == reference_fp32["token_ids"]
+    assert out["spec"]["spec_decode_num_accepted_tokens"] > 0
+
+
+def seeded_slot_drafter(shipped_drafters: Path, tmp_path: Path, reference: dict,
+                        num_prompts: int) -> Path:
+    """The shipped slot-proposal drafter (its files linked) with its answer tree seeded
+    from the target's answers to the first half of the prompts."""
     from vllm_carryover.lookups.suffix import SEED_FILE, save_seed
 
     shipped = shipped_drafters / "slot-proposals"
@@ -234,11 +274,8 @@ def test_slot_proposal_drafter_stays_identical(smollm2, prompts, shipped_drafter
     for f in shipped.iterdir():
         if f.name != SEED_FILE:
             (drafter / f.name).symlink_to(f)
-    save_seed(drafter / SEED_FILE, reference_fp32["token_ids"][:len(prompts) // 2])
-    out = generate(smollm2, prompts, tmp_path, "slot-proposals", drafter, carryover=False)
-    assert out["token_ids"] == reference_fp32["token_ids"]
-    assert out["carryover"]["carryover_lookup_rounds"] > 0
-    assert out["spec"]["spec_decode_num_accepted_tokens"] > 0
+    save_seed(drafter / SEED_FILE, reference["token_ids"][:num_prompts // 2])
+    return drafter
 
 
 def assert_rejected_states_carried(spec: dict, co: dict) -> None:

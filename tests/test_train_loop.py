@@ -267,3 +267,29 @@ def test_fresh_drafter_starts_with_silent_branches_and_the_targets_final_norm(
     assert branches and all(not state[k].any() for k in branches)
     assert torch.equal(state["norm.weight"], target_final_norm(target))
     assert state["layers.0.self_attn.q_proj.weight"].std() > 0
+
+
+def test_slot_drafter_trains_its_confidence_levels_and_a_continued_one_gains_them(
+        tiny_setup: dict[str, Path], cache: Path, tmp_path: Path) -> None:
+    """`--slot-proposals` makes a drafter whose slots read the trees' proposals with
+    their confidence levels, and the levels' embedding trains; exported, it is a valid
+    folder. A slot drafter from before the levels, continued with the flag, gains a
+    zero table (it drafts as before); one that reads mask tokens is refused."""
+    from vllm_carryover.train.slot_proposals import with_slot_proposals
+
+    from vllm_carryover.lookups.slots import CONFIDENCE_LEVELS, LEVELS_KEY
+
+    main(recipe_argv("baseline", tiny_setup, "levels", "--eval-every", "0", "--slot-proposals"))
+    saved = torch.load(run_dir("levels") / "final.pt")
+    assert saved["config"]["slot_proposals"][LEVELS_KEY] == CONFIDENCE_LEVELS
+    assert saved["state"]["slot_confidence"][1:].abs().sum() > 0  # proposals' levels trained
+    main(["export", "--run", "levels", "--out", str(tmp_path / "out"),
+          "--target", str(tiny_setup["target"])])
+    assert load_drafter_state(tmp_path / "out")[1]["slot_confidence"].shape[0] == CONFIDENCE_LEVELS
+
+    ids_alone = {"slot_proposals": {"source": "suffix", "max_tree_depth": 24}}
+    gained = with_slot_proposals(ids_alone, asked=True, continued=True)
+    assert gained["slot_proposals"] == ids_alone["slot_proposals"] | {LEVELS_KEY: CONFIDENCE_LEVELS}
+    assert with_slot_proposals(ids_alone, asked=False, continued=True) is ids_alone
+    with pytest.raises(SystemExit, match="reads mask tokens in its slots"):
+        with_slot_proposals({}, asked=True, continued=True)

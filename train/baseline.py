@@ -30,7 +30,7 @@ from vllm_carryover.train.dflash_loss import (
 from vllm_carryover.train.draft_verify_draft import block_logits_over, context_kv
 from vllm_carryover.train.options import BaselineArgs, TrainArgs
 from vllm_carryover.train.paths import data_dir
-from vllm_carryover.train.slot_proposals import ProposalSettings, proposal_feeds
+from vllm_carryover.train.slot_proposals import proposal_feeds, with_slot_proposals
 from vllm_carryover.train.state_cache import StateCache, dataset_cache
 from vllm_carryover.train.target_states import stored_states, truncated_decoder
 from vllm_carryover.train.trainer import (
@@ -58,6 +58,10 @@ from vllm_carryover.drafter.format import random_state_dict as random_drafter_st
 from vllm_carryover.drafter.markov_head import fresh_markov_state
 from vllm_carryover.drafter.target_weights import target_embedding, target_final_norm
 from vllm_carryover.drafter.torch_model import TorchDrafter
+
+# The confidence-level embedding starts at zero on a continued drafter, as a new rejected
+# embedding does: the same rate multiplier as `train carryover --rejected-lr-mult`'s default.
+CONFIDENCE_LR_MULT = 10.0
 
 
 def load_sequences(data: str) -> dict[str, list[Sequence]]:
@@ -198,14 +202,19 @@ def attach_markov_head(cfg: dict[str, Any], state: dict[str, torch.Tensor], rank
 
 def param_groups(model: TorchDrafter, a: TrainArgs,
                  rejected_lr_mult: float | None = None) -> list[dict[str, Any]]:
-    """AdamW groups: the backbone; the Markov head (new: --markov-lr-mult); the rejected
-    embedding when it trains (new, zero: `rejected_lr_mult`, no weight decay)."""
+    """AdamW groups: the backbone; the Markov head (new: --markov-lr-mult); the slots'
+    confidence levels (small and starting at zero: `CONFIDENCE_LR_MULT`, no weight decay);
+    the rejected embedding when it trains (new, zero: `rejected_lr_mult`, no weight
+    decay)."""
     head = list(model.markov_head.parameters()) if model.markov_head is not None else []
-    special = {id(p) for p in head} | {id(model.rejected_embedding)}
+    levels = [model.slot_confidence] if model.slot_confidence is not None else []
+    special = {id(p) for p in head + levels} | {id(model.rejected_embedding)}
     groups = [{"params": [p for p in model.parameters()
                           if p.requires_grad and id(p) not in special], "lr_mult": 1.0}]
     if head:
         groups.append({"params": head, "lr_mult": a.markov_lr_mult})
+    if levels:
+        groups.append({"params": levels, "lr_mult": CONFIDENCE_LR_MULT, "weight_decay": 0.0})
     if rejected_lr_mult is not None:
         groups.append({"params": [model.rejected_embedding], "lr_mult": rejected_lr_mult,
                        "weight_decay": 0.0})
@@ -235,6 +244,7 @@ def train_baseline(a: BaselineArgs) -> Path:
         if a.draft_vocab:
             cfg, state = with_dataset_vocab(cfg, state, a.target, a.data, a.draft_vocab)
     cfg, state = attach_markov_head(cfg, state, a.markov_rank, a.seed)
+    cfg = with_slot_proposals(cfg, a.slot_proposals, continued=bool(a.init_run))
     dcfg = DrafterConfig.from_dict(cfg)
     model = TorchDrafter(dcfg, target_embedding(a.target))
     model.load_checkpoint_state(state)
@@ -246,11 +256,6 @@ def train_baseline(a: BaselineArgs) -> Path:
 
     layer_ids = list(dcfg.target_layer_ids)
     seqs = load_sequences(a.data)
-    if a.slot_proposals and not cfg.get("slot_proposals"):
-        if a.init_run:
-            raise SystemExit("--slot-proposals makes a new drafter; the --init-run drafter "
-                             "reads mask tokens in its slots: drop one of the two")
-        cfg["slot_proposals"] = ProposalSettings().to_dict()
     cache = dataset_cache(a.target_states, data_dir(a.data), layer_ids,
                           len(layer_ids) * dcfg.target_hidden_size, place.dtype)
     # the target runs for the states not cached yet

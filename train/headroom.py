@@ -39,7 +39,7 @@ NEAR_TOP = 4  # a rejected slot whose true token was this high in the drafter's 
 
 
 def headroom(target: str, init: str, data: str, anchors_per_seq: int,
-             seed: int = 1234) -> dict[str, dict[str, float]]:
+             per_category: int | None = None, seed: int = 1234) -> dict[str, dict[str, float]]:
     """Per category (and "all"): rejections counted and the three hit rates."""
     import torch
     from tqdm import tqdm
@@ -58,8 +58,8 @@ def headroom(target: str, init: str, data: str, anchors_per_seq: int,
     drafter, proposals = load_drafter(target, init, data)
     num_drafts = drafter.config.block_size - 1
     full = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    seqs = [proposals(s) for s in heldout_sequences(target, data,
-                                                    list(drafter.config.target_layer_ids))]
+    seqs = [proposals(s) for s in heldout_sequences(
+        target, data, list(drafter.config.target_layer_ids), per_category)]
     gen = torch.Generator().manual_seed(seed)
     counts: dict[str, Counter[str]] = defaultdict(Counter)
     with torch.no_grad():
@@ -142,19 +142,27 @@ def walked_tau(drafter: Any, seqs: list[Any]) -> dict[str, float]:
         "all": round(total.tau(), 4)}
 
 
-def heldout_sequences(target: str, data: str, layer_ids: list[int]) -> list[Any]:
-    """The held-out sequences with their target states computed now, in float32.
+def heldout_sequences(target: str, data: str, layer_ids: list[int],
+                      per_category: int | None = None) -> list[Any]:
+    """The held-out sequences (the first `per_category` of each category when given)
+    with their target states computed now, in float32.
 
     Only the held-out split's states are computed, once each, and no state cache is
     filled (the training caches hold states of the training dtype)."""
     import torch
+    from tqdm import tqdm
     from vllm_carryover.train.baseline import load_sequences, sequence_feed
     from vllm_carryover.train.device import Placement
     from vllm_carryover.train.target_states import truncated_decoder
 
+    seqs, taken = [], Counter()
+    for seq in load_sequences(data)["heldout"]:
+        taken[seq.category] += 1
+        if per_category is None or taken[seq.category] <= per_category:
+            seqs.append(seq)
     decoder = truncated_decoder(target, max(layer_ids))
     feed = sequence_feed(Placement(torch.device("cpu"), torch.float32), layer_ids, decoder)
-    return [feed(s) for s in load_sequences(data)["heldout"]]
+    return [feed(s) for s in tqdm(seqs, desc="held-out target states", unit="seq")]
 
 
 def load_drafter(target: str, init: str, data: str) -> tuple[Any, Any]:
@@ -182,6 +190,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     add_drafter_options(p)
     p.add_argument("--anchors-per-seq", type=int, default=16,
                    help="anchors per held-out sequence (default: %(default)s)")
+    p.add_argument("--per-category", type=int,
+                   help="only the first N held-out sequences of each category (default: "
+                   "all; each sequence's target states are computed first)")
     p.set_defaults(fn=_run)
 
 
@@ -215,5 +226,5 @@ def _run(a: argparse.Namespace) -> None:
     from vllm_carryover.train.paths import default_target
 
     torch.set_num_threads(a.threads)
-    print_table(headroom(a.target or default_target(), a.init, a.data, a.anchors_per_seq),
-                COLUMNS, a.out)
+    print_table(headroom(a.target or default_target(), a.init, a.data, a.anchors_per_seq,
+                         a.per_category), COLUMNS, a.out)

@@ -130,9 +130,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
     b.add_argument("--slot-proposals", action="store_true",
                    help="a new drafter whose block slots hold the suffix lookup's proposals "
                    "instead of the mask token where it has one (train/slot_proposals.py), "
-                   "to keep or correct; each training sequence's proposals come from an "
-                   "answer tree without its own answer. A drafter made so keeps them "
-                   "when continued")
+                   "to keep or correct, each with its confidence level in the trees "
+                   "(vllm_carryover/lookups/slots.py); each training sequence's proposals "
+                   "come from an answer tree without its own answer. A drafter made so "
+                   "keeps them when continued; with --init-run of a slot drafter that reads "
+                   "no levels, it adds them (their embedding starts at zero)")
     b.set_defaults(fn=cmd_baseline)
 
     c = sub.add_parser(

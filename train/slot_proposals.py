@@ -24,7 +24,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_carryover.lookups.slots import CONFIG_KEY, NONE, in_slots, padded
+from vllm_carryover.lookups.slots import (
+    CONFIDENCE_LEVELS,
+    CONFIG_KEY,
+    LEVELS_KEY,
+    NONE,
+    in_slots,
+    levels_of,
+    slot_codes,
+)
 from vllm_carryover.lookups.suffix import SuffixLookup
 from vllm_carryover.lookups.texts import WholeTexts
 
@@ -38,6 +46,7 @@ class ProposalSettings:
     max_cached_requests: int = 10_000  # answers in the answer tree, as serving's seed
     min_token_prob: float = 0.0  # every continuation the trees have: the drafter judges
     max_spec_factor: float = 8.0  # proposals up to 8x the matched length
+    confidence_levels: int = CONFIDENCE_LEVELS  # 0: the slots hold token ids alone
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": "suffix", **self.__dict__}
@@ -47,9 +56,11 @@ class SlotProposals:
     """Per-position proposals [T, K] of sequences, from answer trees they are not in."""
 
     def __init__(self, answers: dict[int, np.ndarray], settings: ProposalSettings,
-                 num_slots: int) -> None:
-        """`answers`: the train split's answers by dataset row."""
+                 num_slots: int, vocab_size: int) -> None:
+        """`answers`: the train split's answers by dataset row; `vocab_size`: the
+        target's, for the slot codes of a drafter that reads confidence levels."""
         self.settings, self.num_slots = settings, num_slots
+        self.level_vocab = vocab_size if settings.confidence_levels else None
         self.lookups = []  # lookup h: the answers of the rows whose parity is not h
         for h in (0, 1):
             lookup = SuffixLookup(settings.max_tree_depth, settings.max_cached_requests,
@@ -59,31 +70,48 @@ class SlotProposals:
             self.lookups.append(lookup)
 
     def of(self, tokens: torch.Tensor, response_start: int, half: int) -> torch.Tensor:
-        """[T, K] int64: row p is what the lookup proposes after `tokens[:p + 1]` (the
-        bonus token at p), as serving's would at that step; NONE-padded, and NONE
-        before the response."""
+        """[T, K] int64 slot codes: row p is what the lookup proposes after
+        `tokens[:p + 1]` (the bonus token at p), as serving's would at that step;
+        NONE-padded, and NONE before the response."""
         lookup, req = self.lookups[half], ["slot-proposals"]  # not a seeded answer's id
         ids = tokens.cpu().numpy().astype(np.int32)
         out = torch.full((len(ids), self.num_slots), NONE, dtype=torch.int64)
         for p in range(response_start, len(ids) - 1):
             text = WholeTexts([ids[:p + 1]])
             lookup.learn(req, text, [response_start])
-            out[p] = padded(lookup.propose(req, text, self.num_slots), self.num_slots)[0]
+            out[p] = slot_codes(lookup.drafts(req, text, self.num_slots), self.num_slots,
+                                self.level_vocab)[0]
         lookup.learn([], WholeTexts([]), [])  # the request ends ...
         lookup.cache.evict_cached_response(req[0])  # ... and leaves no answer behind
         return out
 
 
-def slot_proposals_of(data: str, settings: dict[str, Any], num_slots: int) -> SlotProposals:
+def slot_proposals_of(data: str, settings: dict[str, Any], num_slots: int,
+                      vocab_size: int) -> SlotProposals:
     """The proposals a drafter's `slot_proposals` config asks for, over dataset `data`."""
     from vllm_carryover.train.data import load_samples
     from vllm_carryover.train.paths import data_dir
 
-    kept = {k: v for k, v in settings.items() if k != "source"}
+    # settings without levels are a drafter's from before them: token ids alone
+    kept = {LEVELS_KEY: 0} | {k: v for k, v in settings.items() if k != "source"}
     # rows numbered as `baseline.load_sequences` numbers them
     answers = {row: np.asarray(r["response_ids"], dtype=np.int32)
                for row, r in enumerate(load_samples(data_dir(data))) if r["split"] == "train"}
-    return SlotProposals(answers, ProposalSettings(**kept), num_slots)
+    return SlotProposals(answers, ProposalSettings(**kept), num_slots, vocab_size)
+
+
+def with_slot_proposals(cfg: dict[str, Any], asked: bool, continued: bool) -> dict[str, Any]:
+    """A drafter config with the slot settings `--slot-proposals` asks for: a new
+    drafter's, or confidence levels added to a continued one whose slots hold token ids
+    alone (their embedding starts at zero, so it drafts as before)."""
+    have = cfg.get(CONFIG_KEY)
+    if not asked or levels_of(have):
+        return cfg
+    if continued and not have:
+        raise SystemExit("--slot-proposals makes a new drafter; the --init-run drafter "
+                         "reads mask tokens in its slots: drop one of the two")
+    new = ProposalSettings().to_dict()
+    return cfg | {CONFIG_KEY: have | {LEVELS_KEY: new[LEVELS_KEY]} if have else new}
 
 
 def proposal_feeds(cfg: dict[str, Any], data: str, feed: Callable[[Any], Any]
@@ -92,7 +120,8 @@ def proposal_feeds(cfg: dict[str, Any], data: str, feed: Callable[[Any], Any]
     tokens, else with each sequence's slot proposals as the drafter's config asks."""
     if not cfg.get(CONFIG_KEY):
         return feed, feed
-    proposals = slot_proposals_of(data, cfg[CONFIG_KEY], cfg["block_size"] - 1)
+    proposals = slot_proposals_of(data, cfg[CONFIG_KEY], cfg["block_size"] - 1,
+                                  cfg["vocab_size"])
     return (with_proposals(feed, proposals, heldout=False),
             with_proposals(feed, proposals, heldout=True))
 
@@ -112,6 +141,7 @@ def with_proposals(feed: Callable[[Any], Any], proposals: SlotProposals, heldout
 
 def fill_slots(query_ids: torch.Tensor, anchors: torch.Tensor,
                proposals: torch.Tensor | None) -> torch.Tensor:
-    """Block query ids [A, 1 + K] with the proposals of a sequence ([T, K], row p for the
-    block anchored at p) in their slots, as serving fills them (`lookups.slots`)."""
+    """Block query ids [A, 1 + K] with the proposals of a sequence ([T, K] slot codes,
+    row p for the block anchored at p) in their slots, as serving fills them
+    (`lookups.slots`)."""
     return query_ids if proposals is None else in_slots(query_ids, proposals[anchors])

@@ -84,7 +84,7 @@ class CarryoverProposer(DFlashBase):
         self.lookups = Lookups.build(self.settings, vllm_config, self.draft_model_config.model,
                                      runner, self.counters,
                                      slot_settings(self.draft_model_config.hf_config))
-        self._slot_proposals: list | None = None  # this step's, for the query blocks
+        self._slot_codes: torch.Tensor | None = None  # this step's, for the query blocks
 
     @override
     def propose(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -110,7 +110,7 @@ class CarryoverProposer(DFlashBase):
             return super().propose(*args, **kwargs)
         plan = lookups.plan(num_reqs, k)
         if lookups.into_slots:  # `set_inputs_first_pass` puts them in the query blocks
-            self._slot_proposals = plan.proposals
+            self._slot_codes = plan.slot_codes
             return super().propose(*args, **kwargs)
         if plan.drafter_runs:
             drafts = super().propose(*args, **kwargs)
@@ -197,9 +197,9 @@ class CarryoverProposer(DFlashBase):
         )
         self._layout = None
         self._bonus = next_token_ids[: cad.batch_size()]
-        if self._slot_proposals is not None:
-            fill_query_slots(self.input_ids, self._slot_proposals, self.num_speculative_tokens)
-            self._slot_proposals = None
+        if self._slot_codes is not None:
+            fill_query_slots(self.input_ids, self._slot_codes, self.num_speculative_tokens)
+            self._slot_codes = None
         if self.trace is not None:
             trace_round(self.trace, self, cad, target_positions, target_hidden_states,
                         num_rejected_tokens_gpu, next_token_ids, num_query)

@@ -5,7 +5,10 @@ A drafter folder is a vLLM DFlash checkpoint (`config.json` with
 LM head) plus, optionally, the carryover weight `rejected_embedding` [hidden] and
 a `carryover_config` block in `config.json` with training metadata. A
 `markov_rank` r > 0 in `config.json` makes it the semi-autoregressive variant:
-the weights then also hold the Markov head (`markov_head.py`), [V, r] twice.
+the weights then also hold the Markov head (`markov_head.py`), [V, r] twice. A
+drafter that reads lookup proposals in its slots has `slot_proposals` settings in
+`config.json` (`lookups.slots`); where they hold `confidence_levels` L, the weights
+also hold `slot_confidence` [L, hidden], the embedding of each slot's confidence level.
 Reading and writing folders is `checkpoint`; checking one against a target is
 `drafter.validation`.
 """
@@ -19,10 +22,13 @@ from typing import Any
 import torch
 
 from vllm_carryover.drafter.markov_head import MARKOV_W1, MARKOV_W2
+from vllm_carryover.lookups.slots import CONFIG_KEY as SLOTS_KEY
+from vllm_carryover.lookups.slots import levels_of
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint
 REJECTED_EMBEDDING = "rejected_embedding"
+SLOT_CONFIDENCE = "slot_confidence"
 # A draft vocabulary (EAGLE-3's convention, which vLLM's DFlash loader reads): the
 # drafter's own LM head over `draft_vocab_size` target tokens, and `d2t`, the offset
 # from draft id i to its target id (target id = i + d2t[i]).
@@ -58,6 +64,7 @@ class DrafterConfig:
     causal: bool
     markov_rank: int = 0  # 0: DFlash-style parallel drafter; r > 0: with a Markov head
     draft_vocab_size: int = 0  # 0: the LM head covers the whole vocabulary (shared)
+    confidence_levels: int = 0  # > 0: its slots' proposals carry levels (`lookups.slots`)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> DrafterConfig:
@@ -87,6 +94,7 @@ class DrafterConfig:
             markov_rank=cfg.get("markov_rank") or 0,
             draft_vocab_size=(0 if cfg.get("draft_vocab_size") in (None, cfg["vocab_size"])
                               else cfg["draft_vocab_size"]),
+            confidence_levels=levels_of(cfg.get(SLOTS_KEY)),
         )
 
 
@@ -178,6 +186,8 @@ def expected_shapes(d: DrafterConfig) -> dict[str, tuple[int, ...]]:
                    MARKOV_W2: (d.vocab_size, d.markov_rank)}
     if d.draft_vocab_size:
         shapes |= {LM_HEAD: (d.draft_vocab_size, h), D2T: (d.draft_vocab_size,)}
+    if d.confidence_levels:
+        shapes |= {SLOT_CONFIDENCE: (d.confidence_levels, h)}
     return shapes
 
 

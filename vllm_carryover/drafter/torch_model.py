@@ -18,7 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_carryover.drafter.format import D2T, LM_HEAD, REJECTED_EMBEDDING, DrafterConfig
+from vllm_carryover.drafter.format import (
+    D2T,
+    LM_HEAD,
+    REJECTED_EMBEDDING,
+    SLOT_CONFIDENCE,
+    DrafterConfig,
+)
 from vllm_carryover.drafter.markov_head import MarkovHead, draft_left_to_right, greedy
 from vllm_carryover.drafter.vocab import expand_logits, from_offsets, to_offsets
 from vllm_carryover.kernels import (
@@ -27,6 +33,7 @@ from vllm_carryover.kernels import (
     project_context_kv_reference,
     rms_norm,
 )
+from vllm_carryover.lookups.slots import split_codes
 
 
 def rope_cache(head_dim: int, max_position: int, theta: float) -> torch.Tensor:
@@ -75,6 +82,9 @@ class TorchDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(d) for _ in range(d.num_hidden_layers))
         self.rejected_embedding = nn.Parameter(torch.zeros(d.hidden_size))
         self.markov_head = MarkovHead(d.vocab_size, d.markov_rank) if d.markov_rank else None
+        # each slot's confidence level, added to its proposal's embedding (lookups.slots)
+        self.slot_confidence = nn.Parameter(torch.zeros(d.confidence_levels, d.hidden_size)) \
+            if d.confidence_levels else None
         self.vocab_ids: torch.Tensor | None = None  # set by train's sampled softmax
         # a draft vocabulary: target ids of the head's rows, and the head (checkpoint's)
         self.register_buffer("draft_ids", None, persistent=False)
@@ -87,9 +97,12 @@ class TorchDrafter(nn.Module):
             persistent=False)
 
     def load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a drafter checkpoint's tensors (a missing rejected embedding is zero)."""
+        """Load a drafter checkpoint's tensors (a missing rejected embedding is zero, and
+        so are missing confidence levels: the drafter then reads proposals as before)."""
         state = dict(state)
         state.setdefault(REJECTED_EMBEDDING, torch.zeros(self.config.hidden_size))
+        if self.slot_confidence is not None:
+            state.setdefault(SLOT_CONFIDENCE, torch.zeros_like(self.slot_confidence))
         head, d2t = state.pop(LM_HEAD, None), state.pop(D2T, None)
         if self.config.draft_vocab_size:
             assert head is not None and d2t is not None, "a draft vocabulary needs both"
@@ -149,7 +162,7 @@ class TorchDrafter(nn.Module):
         d = self.config
         b, q = query_ids.shape
         s = ctx_k.shape[2] + (0 if row_k is None else row_k.shape[2])
-        x = F.embedding(query_ids, self.embed).float()
+        x = self.embed_query(query_ids)
         visible = torch.ones(b, q, s + q, dtype=torch.bool, device=x.device)
         if ctx_mask is not None:
             cm = ctx_mask if ctx_mask.dim() == 3 else ctx_mask[:, None, :].expand(b, q, s)
@@ -177,6 +190,14 @@ class TorchDrafter(nn.Module):
         if self.draft_ids is not None and self.draft_head is not None and self.vocab_ids is None:
             return expand_logits(x @ self.draft_head.T, self.draft_ids, d.vocab_size)
         return x @ self.lm_head.T.float()
+
+    def embed_query(self, query_ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings of query ids, which hold slot codes (a token and its
+        confidence level) where the drafter reads levels."""
+        if self.slot_confidence is None:
+            return F.embedding(query_ids, self.embed).float()
+        ids, levels = split_codes(query_ids, self.config.vocab_size)
+        return F.embedding(ids, self.embed).float() + self.slot_confidence[levels]
 
     def _attend(self, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
                 ctx_k: torch.Tensor, ctx_v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -239,7 +260,7 @@ class TorchDrafter(nn.Module):
         """Logits [num_draft, V] of one request's next block, as the proposer drafts it.
 
         Keys: committed context, then the carried-over (rejected) states, if any.
-        `slot_ids` [num_draft]: the block's slot tokens where a drafter reads lookup
+        `slot_ids` [num_draft]: the block's slot codes where a drafter reads lookup
         proposals there (`lookups.slots`), else mask tokens.
         """
         k, v = self.context_kv(fused_ctx, ctx_pos)

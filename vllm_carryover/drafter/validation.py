@@ -16,6 +16,7 @@ from vllm_carryover.drafter.checkpoint import read_tensor, read_weights_header
 from vllm_carryover.drafter.format import (
     D2T,
     REJECTED_EMBEDDING,
+    SLOT_CONFIDENCE,
     DrafterConfig,
     expected_shapes,
 )
@@ -130,6 +131,12 @@ def _check_shapes(path: Path, header: dict[str, Any], d: DrafterConfig) -> None:
             f"drafter weights in {path} hold a Markov head ({stray[0]}) but "
             "config.json has no markov_rank; add \"markov_rank\": R (the head's second "
             "dimension) to config.json"
+        )
+    if SLOT_CONFIDENCE in header and SLOT_CONFIDENCE not in want:
+        raise CarryoverConfigError(
+            f"drafter weights in {path} hold the slots' confidence levels ({SLOT_CONFIDENCE}) "
+            "but config.json's slot_proposals has no confidence_levels; add "
+            "\"confidence_levels\": L (the tensor's first dimension) to slot_proposals"
         )
     for name, shape in want.items():
         got = tuple(header[name]["shape"])

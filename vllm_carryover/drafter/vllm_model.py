@@ -5,7 +5,9 @@ DFlash code unchanged. The context side is replaced by `kernels.project_context_
 which also serves rejected states: they get the learned `rejected_embedding`
 added after the hidden norm. The proposer decides which rows are rejected and
 where their K/V go in the paged cache. A checkpoint with `markov_rank` > 0 also
-gets the Markov head (`markov_head.py`), which the proposer drafts with.
+gets the Markov head (`markov_head.py`), which the proposer drafts with; one whose
+slots read confidence levels (`lookups.slots`) gets their embedding, added to each
+query token's as the slot codes in its query ids say.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
 
-from vllm_carryover.drafter.format import REJECTED_EMBEDDING
+from vllm_carryover.drafter.format import REJECTED_EMBEDDING, SLOT_CONFIDENCE
 from vllm_carryover.drafter.markov_head import MarkovHead
 from vllm_carryover.kernels import ContextProjectionWeights, project_context_kv
+from vllm_carryover.lookups.slots import levels_of, slot_settings, split_codes
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
 
@@ -32,17 +35,27 @@ WARMUP_ROWS = (1, 2, 16, 17, 32, 33, 64, 65)
 
 
 class CarryoverDFlashModel(DFlashQwen3Model):
-    """DFlash drafter body with one extra parameter: the rejected-state embedding."""
+    """DFlash drafter body with the rejected-state embedding (and, for a drafter that
+    reads them, the slots' confidence-level embedding)."""
 
     def __init__(self, *, vllm_config: VllmConfig, start_layer_id: int = 0,
                  prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, start_layer_id=start_layer_id,
                          prefix=prefix)
+        dtype = vllm_config.model_config.dtype
         self.rejected_embedding = nn.Parameter(
-            torch.zeros(self.config.hidden_size, dtype=vllm_config.model_config.dtype),
-            requires_grad=False,
-        )
+            torch.zeros(self.config.hidden_size, dtype=dtype), requires_grad=False)
+        levels = levels_of(slot_settings(self.config))
+        self.slot_confidence = nn.Parameter(
+            torch.zeros(levels, self.config.hidden_size, dtype=dtype), requires_grad=False
+        ) if levels else None
         self._projection: ContextProjectionWeights | None = None
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.slot_confidence is None:
+            return super().embed_input_ids(input_ids)
+        ids, levels = split_codes(input_ids, self.config.vocab_size)
+        return super().embed_input_ids(ids) + self.slot_confidence[levels]
 
     def _build_fused_kv_buffers(self) -> None:
         super()._build_fused_kv_buffers()
@@ -131,6 +144,8 @@ class CarryoverDraftModel(DFlashQwen3ForCausalLM):
             if name.endswith(REJECTED_EMBEDDING):
                 self.model.rejected_embedding.data.copy_(tensor.reshape(-1))
                 found = True
+            elif name.endswith(SLOT_CONFIDENCE) and self.model.slot_confidence is not None:
+                self.model.slot_confidence.data.copy_(tensor)
             elif (own := next((k for k in head if name.endswith(k)), None)) is not None:
                 head.pop(own).data.copy_(tensor)
             else:

@@ -30,7 +30,7 @@ from vllm_carryover.lookups.drafts import (
     one_hot_probs,
     write_drafts,
 )
-from vllm_carryover.lookups.slots import padded
+from vllm_carryover.lookups.slots import level_vocab, slot_codes
 from vllm_carryover.lookups.suffix import SEED_FILE, SuffixLookup, load_seed
 from vllm_carryover.lookups.texts import StepTexts
 from vllm_carryover.metrics import CarryoverCounters
@@ -46,6 +46,7 @@ class Plan:
     proposals: list[Sequence[int]]
     drafter_k: int | None  # the drafter's tokens kept where no lookup proposes (None: all K)
     drafter_runs: bool
+    slot_codes: torch.Tensor | None = None  # [batch, K] for the drafter's slots instead
 
 
 class Lookups:
@@ -53,10 +54,13 @@ class Lookups:
 
     def __init__(self, suffix: SuffixLookup, drafter_k: int | None, rows_stay_wide: bool,
                  vocab_size: int, runner: Any, counters: CarryoverCounters,
-                 gate: DrafterGate | None, into_slots: bool = False) -> None:
+                 gate: DrafterGate | None, into_slots: bool = False,
+                 level_vocab: int | None = None) -> None:
         self.suffix = suffix
-        # the proposals go into the drafter's slots (`lookups.slots`), not the drafts
+        # the proposals go into the drafter's slots (`lookups.slots`), not the drafts,
+        # with their confidence levels where the drafter reads them (`level_vocab`)
         self.into_slots = into_slots
+        self.level_vocab = level_vocab
         self.drafter_k = drafter_k  # `lookup_drafter_k`
         self.rows_stay_wide = rows_stay_wide  # async scheduling verifies whole K-wide rows
         self.vocab_size = vocab_size
@@ -100,8 +104,9 @@ class Lookups:
             logger.info("Suffix lookup: %d past answers from %s in the answer tree "
                         "(%.1f s).", fed, path, time.perf_counter() - start)
         if slots:
-            return cls(suffix, None, rows_stay_wide, vllm_config.model_config.get_vocab_size(),
-                       runner, counters, None, into_slots=True)
+            vocab = vllm_config.model_config.get_vocab_size()
+            return cls(suffix, None, rows_stay_wide, vocab, runner, counters, None,
+                       into_slots=True, level_vocab=level_vocab(slots, vocab))
         # With K by goodput, whether the drafter drafts beside the lookup is measured
         # too. Only synchronous scheduling lets a request verify fewer than K drafts.
         gate = None
@@ -140,11 +145,12 @@ class Lookups:
     def plan(self, num_reqs: int, k: int) -> Plan:
         """This step's proposals, and whether the drafter must run for the requests
         without one (then only its rows a request can keep are scored)."""
-        proposals = self.suffix.propose(self._runner.input_batch.req_ids[:num_reqs],
-                                        self._texts(num_reqs), k)
+        req_ids, texts = self._runner.input_batch.req_ids[:num_reqs], self._texts(num_reqs)
         if self.into_slots:  # the drafter reads them and drafts every request's K
-            self.counters.record_lookup(padded(proposals, k) >= 0, drafter_ran=True)
-            return Plan(proposals, None, True)
+            codes = slot_codes(self.suffix.drafts(req_ids, texts, k), k, self.level_vocab)
+            self.counters.record_lookup(codes >= 0, drafter_ran=True)
+            return Plan([], None, True, codes)
+        proposals = self.suffix.propose(req_ids, texts, k)
         drafter_k = self._drafter_k(proposals)
         runs = not lookups_suffice(proposals, k, self.rows_stay_wide, drafter_k)
         if runs:

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import chain, pairwise
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -101,19 +102,24 @@ class SuffixLookup:
         """Each request's draft of at most `k` tokens (empty where the trees have none,
         or where the text is None), matching the last `max_tree_depth` tokens of its
         text; call `learn` with the same batch first."""
-        out: list[Sequence[int]] = []
+        return [() if d is None else d.token_ids for d in self.drafts(req_ids, texts, k)]
+
+    def drafts(self, req_ids: Sequence[str], texts: Texts, k: int) -> list[Any]:
+        """`propose`'s drafts as the cache gives them (token_ids, their path
+        probabilities `probs`, the `match_len` they continue), None where it was not
+        asked (no text, or no room left before `max_model_len`)."""
+        out: list[Any] = []
         for i, req_id in enumerate(req_ids):
             length = texts.length(i)
             # the bonus token after the drafts needs a position within max_model_len too
             room = 0 if length is None else min(k, self.max_model_len - length - 1)
             if room <= 0:  # (the cache reads max_spec_tokens 0 as "up to the tree depth")
-                out.append(())
+                out.append(None)
                 continue
             end = texts.piece(i, max(length - self.max_tree_depth, 0))
-            draft = self.cache.speculate(req_id, _tokens(end), max_spec_tokens=room,
-                                         max_spec_factor=self.max_spec_factor,
-                                         min_token_prob=self.min_token_prob)
-            out.append(draft.token_ids)
+            out.append(self.cache.speculate(req_id, _tokens(end), max_spec_tokens=room,
+                                            max_spec_factor=self.max_spec_factor,
+                                            min_token_prob=self.min_token_prob))
         return out
 
 
