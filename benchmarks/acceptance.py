@@ -43,7 +43,7 @@ from vllm_carryover.tools.tau import mean_tau, tau_table
 
 SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 
-DEFAULT_ROWS = ["none", "ngram", SUFFIX_ROW, f"dflash=dflash:{SMOLLM2 / 'dflash-baseline'}",
+DEFAULT_ROWS = ["none", "ngram", SUFFIX_ROW, f"dflash=dflash:{SMOLLM2 / 'copy3-long'}",
                 f"carryover-off=carryover-off:{SMOLLM2 / 'carryover'}",
                 f"carryover=carryover:{SMOLLM2 / 'carryover'}"]
 DEFAULT_RATIOS = [("carryover", "dflash"), ("carryover", "carryover-off")]

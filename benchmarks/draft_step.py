@@ -67,7 +67,7 @@ from vllm_carryover.tools.run_settings import (
 SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 
 CHILD_MODULE = "vllm_carryover.benchmarks.draft_step_engine"
-DEFAULT_DRAFTER = SMOLLM2 / "carryover"
+DEFAULT_DRAFTER = SMOLLM2 / "carryover-lookup"
 PROMPTS_PER_CATEGORY = 8
 WARMUP_TOKENS = 4  # warm-up command per engine: first shapes, allocator
 SETTLE_S = 0.5  # pause between commands, so one engine is idle before the other runs

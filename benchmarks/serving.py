@@ -85,8 +85,8 @@ SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 # The shipped configuration, the suffix lookup beside the drafter, is the last row
 # (`tools.rows`).
 DEFAULT_ROWS = ["none", "ngram", SUFFIX_ROW,
-                f"drafter=carryover-off:{SMOLLM2 / 'slot-proposals'}",
-                f"carryover-lookup:{SMOLLM2 / 'carryover'}"]
+                f"drafter=carryover:{SMOLLM2 / 'carryover'}",
+                f"carryover-lookup:{SMOLLM2 / 'carryover-lookup'}"]
 PROMPT_SETS = ("outside", "heldout")
 SIZES: dict[str, dict[str, Any]] = {
     "quick": {"requests": 5, "max_tokens": 32, "concurrency": [1, 4], "repeats": 1,

@@ -110,7 +110,7 @@ def main() -> None:
     from vllm_carryover.tools.run_settings import SHIPPED_DRAFTERS, SHIPPED_LOOKUPS, resolve_target
 
     target = resolve_target(None)
-    drafter = a.drafter or str(SHIPPED_DRAFTERS / "carryover")
+    drafter = a.drafter or str(SHIPPED_DRAFTERS / "carryover-lookup")
     spec = None if drafter == "none" else {
         "method": "carryover", "model": drafter, "num_speculative_tokens": a.k or 7,
         "carryover": True}

@@ -17,7 +17,7 @@ import pytest
 from vllm_carryover.benchmarks.draft_step import add_cli
 
 DRAFTER = (Path(__file__).resolve().parent.parent / "train" / "checkpoints"
-           / "smollm2-135m-instruct" / "carryover")
+           / "smollm2-135m-instruct" / "carryover-lookup")
 
 
 def _session_members(leaders: list[int]) -> list[str]:

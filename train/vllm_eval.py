@@ -22,7 +22,7 @@ from vllm_carryover.tools.rows import parse_ratio, parse_row, rows_help
 from vllm_carryover.tools.run_settings import REPO, SHIPPED_DRAFTERS, resolve_target
 
 SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
-DEFAULT_ROWS = [f"baseline=dflash:{SMOLLM2 / 'dflash-baseline'}",
+DEFAULT_ROWS = [f"baseline=carryover-off:{SMOLLM2 / 'dflash-baseline'}",
                 f"carryover=carryover:{SMOLLM2 / 'carryover'}",
                 f"carryover-off=carryover-off:{SMOLLM2 / 'carryover'}",
                 f"dspark-baseline=carryover-off:{SMOLLM2 / 'dspark-baseline'}",
@@ -40,7 +40,7 @@ row's pooled totals and vLLM's raw counters.
 
 example:
   python -m train eval -k 7 --num-prompts 16 \\
-      --row baseline=dflash:train/checkpoints/smollm2-135m-instruct/dflash-baseline \\
+      --row baseline=carryover-off:train/checkpoints/smollm2-135m-instruct/dflash-baseline \\
       --row carryover=carryover:train/checkpoints/smollm2-135m-instruct/carryover \\
       --row carryover-off=carryover-off:train/checkpoints/smollm2-135m-instruct/carryover
 """

@@ -29,7 +29,7 @@ from vllm_carryover.tools.server_process import VllmServer
 from vllm_carryover.tools.testbed import smollm2_path
 
 REPO = Path(__file__).resolve().parents[2]
-DRAFTER = REPO / "train" / "checkpoints" / "smollm2-135m-instruct" / "dflash-baseline"
+DRAFTER = REPO / "train" / "checkpoints" / "smollm2-135m-instruct" / "carryover-lookup"
 
 
 def rss_by_process(server: VllmServer) -> dict[str, float]:

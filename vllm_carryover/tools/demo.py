@@ -31,19 +31,19 @@ QUESTIONS = [
 
 
 def default_drafter(target: Path, workdir: Path) -> Path:
-    """The shipped carryover drafter, else the shipped baseline, else a random one.
+    """The shipped drafter of the README's main job (one layer, beside the suffix
+    lookup), else a random one.
 
     The shipped drafters are the checkout's train/checkpoints/smollm2-135m-instruct, or
     the folder $VLLM_CARRYOVER_DRAFTERS names (an installed package has no checkout)."""
     folder = drafters_folder()
-    for name in ("carryover", "dflash-baseline"):
-        if (folder / name / "model.safetensors").is_file():
-            return folder / name
+    if (folder / "carryover-lookup" / "model.safetensors").is_file():
+        return folder / "carryover-lookup"
     from vllm_carryover.drafter.init_drafter import init_drafter
 
     print("demo: no trained drafter shipped yet; using a RANDOM drafter (it will be "
           "rejected almost always, so expect no speed-up); to use the trained ones, set "
-          f"{DRAFTERS_VAR} to a folder holding carryover/ or dflash-baseline/ (a clone's "
+          f"{DRAFTERS_VAR} to a folder holding carryover-lookup/ (a clone's "
           f"train/checkpoints/smollm2-135m-instruct), or pass --drafter; looked in {folder}",
           file=sys.stderr)
     return init_drafter(target, workdir / "random-drafter", block_size=8)
