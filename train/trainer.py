@@ -274,7 +274,7 @@ class Trainer:
             raise ValueError(f"--resume: {path} was written with other settings: "
                              + "; ".join(diffs) + ". Resume with the saved settings, or "
                              "start a new --run.")
-        self.model.load_state_dict(saved["model"])
+        self.model.load_checkpoint_state(saved["model"])  # as saved: with a draft vocabulary
         self.opt.load_state_dict(saved["optimizer"])
         self.done = Progress(**{f.name: saved[f.name] for f in fields(Progress)})
         rng = saved["random"][rank()]
