@@ -59,6 +59,7 @@ from vllm_carryover.control.step_timer import ENV
 from vllm_carryover.tools.engine_process import EngineProcess
 from vllm_carryover.tools.rows import Row, check_rows, parse_row
 from vllm_carryover.tools.run_settings import (
+    MAIN_DRAFTER,
     REPO,
     SHIPPED_DRAFTERS,
     resolve_target,
@@ -67,7 +68,7 @@ from vllm_carryover.tools.run_settings import (
 SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 
 CHILD_MODULE = "vllm_carryover.benchmarks.draft_step_engine"
-DEFAULT_DRAFTER = SMOLLM2 / "carryover-lookup"
+DEFAULT_DRAFTER = SMOLLM2 / MAIN_DRAFTER
 PROMPTS_PER_CATEGORY = 8
 WARMUP_TOKENS = 4  # warm-up command per engine: first shapes, allocator
 SETTLE_S = 0.5  # pause between commands, so one engine is idle before the other runs

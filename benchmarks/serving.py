@@ -71,6 +71,7 @@ from vllm_carryover.train.prompts import CATEGORIES
 
 from vllm_carryover.tools.rows import Row, check_rows, parse_row
 from vllm_carryover.tools.run_settings import (
+    MAIN_DRAFTER,
     REPO,
     SHIPPED_DRAFTERS,
     model_runner_of,
@@ -86,7 +87,7 @@ SMOLLM2 = SHIPPED_DRAFTERS.relative_to(REPO)
 # (`tools.rows`).
 DEFAULT_ROWS = ["none", "ngram", SUFFIX_ROW,
                 f"drafter=carryover:{SMOLLM2 / 'carryover'}",
-                f"carryover-lookup:{SMOLLM2 / 'carryover-lookup'}"]
+                f"carryover-lookup:{SMOLLM2 / MAIN_DRAFTER}"]
 PROMPT_SETS = ("outside", "heldout")
 SIZES: dict[str, dict[str, Any]] = {
     "quick": {"requests": 5, "max_tokens": 32, "concurrency": [1, 4], "repeats": 1,

@@ -107,10 +107,15 @@ def main() -> None:
     from vllm_carryover.benchmarks.eval_prompts import chat_token_ids, heldout_prompts
 
     from vllm_carryover.dtype import resolve_dtype
-    from vllm_carryover.tools.run_settings import SHIPPED_DRAFTERS, SHIPPED_LOOKUPS, resolve_target
+    from vllm_carryover.tools.run_settings import (
+        MAIN_DRAFTER,
+        SHIPPED_DRAFTERS,
+        SHIPPED_LOOKUPS,
+        resolve_target,
+    )
 
     target = resolve_target(None)
-    drafter = a.drafter or str(SHIPPED_DRAFTERS / "carryover-lookup")
+    drafter = a.drafter or str(SHIPPED_DRAFTERS / MAIN_DRAFTER)
     spec = None if drafter == "none" else {
         "method": "carryover", "model": drafter, "num_speculative_tokens": a.k or 7,
         "carryover": True}

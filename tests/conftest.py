@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_carryover.tools.run_settings import CPU_BINDING_VARS
+from vllm_carryover.tools.run_settings import CPU_BINDING_VARS, MAIN_DRAFTER
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -108,6 +108,6 @@ def shipped_drafters() -> Path:
 def trained_drafter(shipped_drafters: Path) -> Path:
     """The shipped one-layer SmolLM2 drafter of the README's main job (beside the suffix
     lookup, mask slots): often right, and cheap to run in float32."""
-    path = shipped_drafters / "carryover-lookup"
+    path = shipped_drafters / MAIN_DRAFTER
     assert (path / "model.safetensors").is_file(), f"missing shipped drafter {path}"
     return path

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from vllm_carryover.benchmarks.draft_step import add_cli
 
-DRAFTER = (Path(__file__).resolve().parent.parent / "train" / "checkpoints"
-           / "smollm2-135m-instruct" / "carryover-lookup")
+from vllm_carryover.tools.run_settings import MAIN_DRAFTER, SHIPPED_DRAFTERS
+
+DRAFTER = SHIPPED_DRAFTERS / MAIN_DRAFTER
 
 
 def _session_members(leaders: list[int]) -> list[str]:

@@ -18,13 +18,14 @@ from vllm_carryover.benchmarks.main import main as benchmarks_main
 
 from vllm_carryover.tools.run_settings import (
     CPU_BINDING_VARS,
+    MAIN_DRAFTER,
     NUMBA_LAYER_VAR,
     SHIPPED_DRAFTERS,
     serving_env,
 )
 
-CARRYOVER = f"carryover=carryover:{SHIPPED_DRAFTERS / 'carryover-lookup'}"
-DRAFTER = f"drafter=carryover:{SHIPPED_DRAFTERS / 'carryover-lookup'}"  # the drafter alone
+CARRYOVER = f"carryover=carryover:{SHIPPED_DRAFTERS / MAIN_DRAFTER}"
+DRAFTER = f"drafter=carryover:{SHIPPED_DRAFTERS / MAIN_DRAFTER}"  # the drafter alone
 K = 7
 MAX_TOKENS = 16
 REQUESTS = 5
@@ -169,7 +170,7 @@ def test_serving_quick_result_has_ratios_to_no_speculation_and_stops_servers(
 def test_serving_stops_every_server_when_a_later_one_fails_to_start(
         tmp_path: Path, smollm2: Path, server_tag: str) -> None:
     broken = tmp_path / "broken-drafter"
-    shutil.copytree(SHIPPED_DRAFTERS / "carryover-lookup", broken)
+    shutil.copytree(SHIPPED_DRAFTERS / MAIN_DRAFTER, broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated: refused at startup
     with pytest.raises(RuntimeError, match="row broken: vllm serve did not start"):

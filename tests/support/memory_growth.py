@@ -25,11 +25,11 @@ from support.soak_workload import (
     drive,
     make_requests,
 )
+from vllm_carryover.tools.run_settings import MAIN_DRAFTER, SHIPPED_DRAFTERS
 from vllm_carryover.tools.server_process import VllmServer
 from vllm_carryover.tools.testbed import smollm2_path
 
-REPO = Path(__file__).resolve().parents[2]
-DRAFTER = REPO / "train" / "checkpoints" / "smollm2-135m-instruct" / "carryover-lookup"
+DRAFTER = SHIPPED_DRAFTERS / MAIN_DRAFTER
 
 
 def rss_by_process(server: VllmServer) -> dict[str, float]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from vllm_carryover.tools.run_settings import (
     DRAFTERS_VAR,
+    MAIN_DRAFTER,
     SHIPPED_LOOKUPS,
     drafters_folder,
     serving_env,
@@ -37,13 +38,13 @@ def default_drafter(target: Path, workdir: Path) -> Path:
     The shipped drafters are the checkout's train/checkpoints/smollm2-135m-instruct, or
     the folder $VLLM_CARRYOVER_DRAFTERS names (an installed package has no checkout)."""
     folder = drafters_folder()
-    if (folder / "carryover-lookup" / "model.safetensors").is_file():
-        return folder / "carryover-lookup"
+    if (folder / MAIN_DRAFTER / "model.safetensors").is_file():
+        return folder / MAIN_DRAFTER
     from vllm_carryover.drafter.init_drafter import init_drafter
 
     print("demo: no trained drafter shipped yet; using a RANDOM drafter (it will be "
           "rejected almost always, so expect no speed-up); to use the trained ones, set "
-          f"{DRAFTERS_VAR} to a folder holding carryover-lookup/ (a clone's "
+          f"{DRAFTERS_VAR} to a folder holding {MAIN_DRAFTER}/ (a clone's "
           f"train/checkpoints/smollm2-135m-instruct), or pass --drafter; looked in {folder}",
           file=sys.stderr)
     return init_drafter(target, workdir / "random-drafter", block_size=8)

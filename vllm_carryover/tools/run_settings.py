@@ -15,8 +15,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout (shipped drafters, datasets)
 SHIPPED_DRAFTERS = REPO / "train" / "checkpoints" / "smollm2-135m-instruct"
+# The README main job's drafter among them: one layer, served beside SHIPPED_LOOKUPS.
+MAIN_DRAFTER = "carryover-lookup"
 # Outside a clone (an installed package) the shipped drafters are found through this
-# variable: a folder holding `carryover-lookup/` and the others, as the checkout's
+# variable: a folder holding MAIN_DRAFTER and the others, as the checkout's
 # train/checkpoints/smollm2-135m-instruct does.
 DRAFTERS_VAR = "VLLM_CARRYOVER_DRAFTERS"
 # The shipped lookup beside the drafter: arctic-inference's suffix trees of the request's
