@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from vllm_carryover.train.draft_verify_draft import block_logits_over, context_kv
 
-from vllm_carryover.drafter.format import BONUS_PROJECTION, DrafterConfig, make_config_dict
+from vllm_carryover.drafter.format import DrafterConfig, make_config_dict
 from vllm_carryover.drafter.torch_model import TorchDrafter
 
 VOCAB, HIDDEN, BLOCK = 24, 64, 4
@@ -37,21 +37,16 @@ def repeat_sequence(gen: torch.Generator) -> tuple[torch.Tensor, int]:
     return tokens, tokens.shape[0] - seg_len
 
 
-def copy_accuracy_after_training(layers: int, steps: int = 1200,
-                                 bonus_projection: bool = False) -> float:
+def copy_accuracy_after_training(layers: int, steps: int = 1200) -> float:
     """Slot-1 accuracy on held-out repeats of a drafter trained on them (slot 1 and, as
-    `train baseline --bonus-weight` does, the bonus row); `bonus_projection`: its slots
-    add a projection of the bonus token's embedding, from zero (`--bonus-projection`)."""
+    `train baseline --bonus-weight` does, the bonus row)."""
     torch.manual_seed(0)
     cfg = make_config_dict(TARGET, num_layers=layers, block_size=BLOCK, target_layer_ids=[0],
                            mask_token_id=0, intermediate_size=2 * HIDDEN)
-    cfg[BONUS_PROJECTION] = bonus_projection
     gen = torch.Generator().manual_seed(0)
     embed = torch.randn(VOCAB, HIDDEN, generator=gen) * 3 / HIDDEN ** 0.5
     this = torch.randn(VOCAB, HIDDEN, generator=gen)
     model = TorchDrafter(DrafterConfig.from_dict(cfg), embed)
-    if model.bonus_proj is not None:
-        torch.nn.init.zeros_(model.bonus_proj.weight)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def first_rows(tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,8 +78,3 @@ def test_two_layers_learn_to_copy_repeated_text_that_one_layer_cannot() -> None:
     torch.set_num_threads(1)
     assert copy_accuracy_after_training(1) < 0.3
     assert copy_accuracy_after_training(2) > 0.9
-
-
-def test_one_layer_whose_slots_read_the_bonus_token_learns_to_copy() -> None:
-    torch.set_num_threads(1)
-    assert copy_accuracy_after_training(1, bonus_projection=True) > 0.9

@@ -49,8 +49,6 @@ from vllm_carryover.train.vocab_subset import (
 )
 
 from vllm_carryover.drafter.format import (
-    BONUS_PROJ,
-    BONUS_PROJECTION,
     REJECTED_EMBEDDING,
     DrafterConfig,
     default_target_layers,
@@ -171,13 +169,12 @@ def evaluate(model: TorchDrafter, seqs: list[Sequence], anchors_per_seq: int, fe
 
 def fresh_drafter_state(d: DrafterConfig, target: str, seed: int) -> dict[str, torch.Tensor]:
     """A new drafter's weights: random, but every layer's residual branches (`o_proj`,
-    `down_proj`) and a bonus projection at zero, and the final norm at the target's.
-    Random full-size branches start the residual stream an order of magnitude above the
-    token embedding it carries, and the shared LM head expects states normed as the
-    target norms its own."""
+    `down_proj`) at zero and the final norm at the target's. Random full-size branches
+    start the residual stream an order of magnitude above the token embedding it carries,
+    and the shared LM head expects states normed as the target norms its own."""
     state = random_drafter_state(d, seed)
     for name in state:
-        if name.endswith(("o_proj.weight", "down_proj.weight", BONUS_PROJ)):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
             state[name] = torch.zeros_like(state[name])
     state["norm.weight"] = target_final_norm(target)
     return state
@@ -186,10 +183,9 @@ def fresh_drafter_state(d: DrafterConfig, target: str, seed: int) -> dict[str, t
 def new_drafter_config(target: str, a: BaselineArgs) -> dict[str, Any]:
     target_cfg = json.loads((Path(target) / "config.json").read_text())
     layer_ids = a.target_layers or default_target_layers(target_cfg["num_hidden_layers"])
-    cfg = make_config_dict(target_cfg, num_layers=a.layers, block_size=a.block_size,
-                           target_layer_ids=layer_ids, mask_token_id=0,
-                           intermediate_size=a.intermediate_size)
-    return cfg | ({BONUS_PROJECTION: True} if a.bonus_projection else {})
+    return make_config_dict(target_cfg, num_layers=a.layers, block_size=a.block_size,
+                            target_layer_ids=layer_ids, mask_token_id=0,
+                            intermediate_size=a.intermediate_size)
 
 
 def attach_markov_head(cfg: dict[str, Any], state: dict[str, torch.Tensor], rank: int,

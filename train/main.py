@@ -135,10 +135,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m train") -> None:
                    "come from an answer tree without its own answer. A drafter made so "
                    "keeps them when continued; with --init-run of a slot drafter that reads "
                    "no levels, it adds them (their embedding starts at zero)")
-    b.add_argument("--bonus-projection", action="store_true",
-                   help="a training arm (issue 56), not served by vLLM: a new drafter's slots "
-                   "add a projection of the bonus token's embedding, starting at zero, so "
-                   "that one layer's slot queries depend on the token")
     b.set_defaults(fn=cmd_baseline)
 
     c = sub.add_parser(

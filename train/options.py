@@ -65,7 +65,6 @@ class BaselineArgs(TrainArgs):
     unvisited_weight: float = 1.0
     bonus_weight: float = 1.0
     slot_proposals: bool = False
-    bonus_projection: bool = False
 
 
 @dataclass

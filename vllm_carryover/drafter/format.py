@@ -29,11 +29,6 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint
 REJECTED_EMBEDDING = "rejected_embedding"
 SLOT_CONFIDENCE = "slot_confidence"
-# A training arm (issue 56): the slots' inputs add this projection of the bonus token's
-# embedding, so a one-layer drafter's slot queries depend on the token. vLLM does not
-# serve it (`validation` stops such a drafter at startup).
-BONUS_PROJECTION = "bonus_projection"
-BONUS_PROJ = "bonus_proj.weight"
 # A draft vocabulary (EAGLE-3's convention, which vLLM's DFlash loader reads): the
 # drafter's own LM head over `draft_vocab_size` target tokens, and `d2t`, the offset
 # from draft id i to its target id (target id = i + d2t[i]).
@@ -70,7 +65,6 @@ class DrafterConfig:
     markov_rank: int = 0  # 0: DFlash-style parallel drafter; r > 0: with a Markov head
     draft_vocab_size: int = 0  # 0: the LM head covers the whole vocabulary (shared)
     confidence_levels: int = 0  # > 0: its slots' proposals carry levels (`lookups.slots`)
-    bonus_projection: bool = False  # training arm: slots add a projection of the bonus token
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> DrafterConfig:
@@ -101,7 +95,6 @@ class DrafterConfig:
             draft_vocab_size=(0 if cfg.get("draft_vocab_size") in (None, cfg["vocab_size"])
                               else cfg["draft_vocab_size"]),
             confidence_levels=levels_of(cfg.get(SLOTS_KEY)),
-            bonus_projection=bool(cfg.get(BONUS_PROJECTION)),
         )
 
 
@@ -195,8 +188,6 @@ def expected_shapes(d: DrafterConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {LM_HEAD: (d.draft_vocab_size, h), D2T: (d.draft_vocab_size,)}
     if d.confidence_levels:
         shapes |= {SLOT_CONFIDENCE: (d.confidence_levels, h)}
-    if d.bonus_projection:
-        shapes |= {BONUS_PROJ: (h, h)}
     return shapes
 
 

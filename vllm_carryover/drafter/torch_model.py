@@ -85,9 +85,6 @@ class TorchDrafter(nn.Module):
         # each slot's confidence level, added to its proposal's embedding (lookups.slots)
         self.slot_confidence = nn.Parameter(torch.zeros(d.confidence_levels, d.hidden_size)) \
             if d.confidence_levels else None
-        # training arm: the slots add a projection of the bonus token's embedding
-        self.bonus_proj = nn.Linear(d.hidden_size, d.hidden_size, bias=False) \
-            if d.bonus_projection else None
         self.vocab_ids: torch.Tensor | None = None  # set by train's sampled softmax
         # a draft vocabulary: target ids of the head's rows, and the head (checkpoint's)
         self.register_buffer("draft_ids", None, persistent=False)
@@ -166,8 +163,6 @@ class TorchDrafter(nn.Module):
         b, q = query_ids.shape
         s = ctx_k.shape[2] + (0 if row_k is None else row_k.shape[2])
         x = self.embed_query(query_ids)
-        if self.bonus_proj is not None:  # column 0 holds the bonus token
-            x = torch.cat([x[:, :1], x[:, 1:] + self.bonus_proj(x[:, :1])], dim=1)
         visible = torch.ones(b, q, s + q, dtype=torch.bool, device=x.device)
         if ctx_mask is not None:
             cm = ctx_mask if ctx_mask.dim() == 3 else ctx_mask[:, None, :].expand(b, q, s)

@@ -14,7 +14,6 @@ from typing import Any
 
 from vllm_carryover.drafter.checkpoint import read_tensor, read_weights_header
 from vllm_carryover.drafter.format import (
-    BONUS_PROJECTION,
     D2T,
     REJECTED_EMBEDDING,
     SLOT_CONFIDENCE,
@@ -96,10 +95,6 @@ def validate_drafter(path: str | Path, target_cfg: Any, num_speculative_tokens: 
             f"drafter {path} has markov_rank {drafter.markov_rank!r}; it must be a "
             "non-negative integer (0 or absent: no Markov head)"
         )
-    if drafter.bonus_projection:
-        raise CarryoverConfigError(
-            f"drafter {path} has {BONUS_PROJECTION} (a training arm that vLLM does not "
-            "serve); use a drafter without it")
     if drafter.causal:
         raise CarryoverConfigError(
             f"drafter {path} is causal; carryover places rejected states after the query "
