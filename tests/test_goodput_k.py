@@ -188,23 +188,6 @@ def test_k_falls_as_the_batch_grows_when_verifying_costs_per_token() -> None:
     assert [r[2] for r in g.schedule(32)] == sorted({*ks}, reverse=True)
 
 
-def test_a_drafted_tokens_price_is_its_rows_cost_over_a_tokens_time() -> None:
-    """Rows that cost compute (a 2-core CPU's shape: 30 ms a step, 2 ms a row): a
-    token need only be 1-in-10 likely to pay at batch 1, but more than even at batch
-    16, as the per-token time the row is weighed against shrinks; no price before a
-    fit."""
-    g = GoodputK(K_MAX)
-    assert g.token_price(16) == 0.0
-    feed(g, (0.03, 0.002, 0.0), accept=0.6)
-    prices = [g.token_price(b) for b in (1, 4, 16, 32)]
-    assert prices == sorted(prices)
-    assert prices[0] < 0.15 and prices[2] > 0.5
-    k = g.best_k(16)
-    step = 0.03 + 0.002 * 16 * (1 + k)  # the true cost at the chosen K
-    tokens = 16 * expected_tokens(g.acceptance(), k)
-    assert prices[2] == pytest.approx(0.002 / (step / tokens), rel=0.05)
-
-
 def test_probes_try_only_the_neighbours_of_the_chosen_k() -> None:
     g = GoodputK(K_MAX, probe_every=4)
     g.coef, g.drafted_requests = np.zeros(5), MIN_WARM_UP_REQUESTS  # a fit is there ...

@@ -47,19 +47,6 @@ def test_a_request_drafts_an_earlier_requests_answer_after_that_one_finished() -
     assert list(suffix.cache.active_requests) == ["b"] and "a" in suffix.cache.cached_requests
 
 
-def test_a_price_above_a_continuations_chance_stops_the_draft_there() -> None:
-    """Two past answers split after the shared phrase (a chance of 1/2 each): a
-    price of 0.4 keeps the draft going past the split, 0.6 stops it there."""
-    suffix = lookup()
-    step(suffix, {"a": np.concatenate((PROMPT, [20, 21, 22, 23, 24]))})
-    step(suffix, {"b": np.concatenate((PROMPT, [20, 21, 22, 25, 26]))})
-    other = np.array([30, 31, 20, 21, 22], dtype=np.int32)
-    texts = WholeTexts([other])
-    suffix.learn(["c"], texts, [5])
-    drafts = {price: list(suffix.propose(["c"], texts, 3, price)[0]) for price in (0.4, 0.6)}
-    assert len(drafts[0.4]) == 2 and drafts[0.6] == []
-
-
 def test_a_seeded_tree_drafts_a_past_answers_continuation_for_a_new_request() -> None:
     """Seeded answers are in the answer tree as if requests had written them: a fresh
     request ending with an answer's beginning drafts its continuation (an unseeded tree

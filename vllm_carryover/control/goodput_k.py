@@ -222,18 +222,6 @@ class GoodputK:
         up = self._probe_up if 0 < best < self.k_max else best == 0
         return best + 1 if up else best - 1
 
-    def token_price(self, batch: int) -> float:
-        """The least chance of acceptance at which one more drafted token pays at this
-        batch size: the seconds its verify row adds (c1 + c2) over the seconds a token
-        takes at the chosen K (a step's cost over the tokens the batch gets from it).
-        Near 0 at batch 1 on a GPU, where a row is almost free; towards 1 on a CPU at a
-        large batch, where rows are most of a step. 0 until the cost fit is ready."""
-        if self.coef is None:
-            return 0.0
-        k = self.best_k(batch)
-        per_token = self.step_seconds(batch, k) / (batch * expected_tokens(self.acceptance(), k))
-        return float((self.coef[1] + self.coef[2]) / max(per_token, 1e-9))
-
     def schedule(self, max_batch: int) -> list[tuple[int, int, int]]:
         """The current choice as vLLM's `[(first, last, K), ...]` ranges (for logs)."""
         out: list[tuple[int, int, int]] = []

@@ -71,9 +71,6 @@ class Lookups:
         self._lengths: dict[str, int] | None = None  # this round's, for `kept_drafts`
         self._scored_rows: int | None = None  # of the drafter's K this round (None: all)
         self._step_texts: StepTexts | None = None  # this step's (`_texts`)
-        # with K by goodput, the least chance at which a drafted token pays for its
-        # verify row at this step's batch size (`GoodputK.token_price`, patch 11)
-        self.token_price = 0.0
 
     @classmethod
     def build(cls, settings: Any, vllm_config: Any, model_dir: str, runner: Any,
@@ -153,7 +150,7 @@ class Lookups:
             codes = slot_codes(self.suffix.drafts(req_ids, texts, k), k, self.level_vocab)
             self.counters.record_lookup(codes >= 0, drafter_ran=True)
             return Plan([], None, True, codes)
-        proposals = self.suffix.propose(req_ids, texts, k, self.token_price)
+        proposals = self.suffix.propose(req_ids, texts, k)
         drafter_k = self._drafter_k(proposals)
         runs = not lookups_suffice(proposals, k, self.rows_stay_wide, drafter_k)
         if runs:

