@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from support.chat_prompts import QUESTIONS
-from support.checkpoint_layouts import hub_cache_layout, shard_drafter
+from support.checkpoint_layouts import hub_cache_layout, seeded_drafter, shard_drafter
 from support.engine_runner import run_engine
 
 from vllm_carryover.dtype import cpu_has_native_bf16
@@ -195,16 +195,10 @@ def test_shipped_suffix_lookup_drafts_from_its_trees_gates_the_drafter_and_stays
     nothing). Seeded, the drafter folder's suffix_seed.npz holds the target's own
     answers to half of the prompts: those requests draft them from the answer tree as
     soon as they begin."""
-    from vllm_carryover.lookups.suffix import SEED_FILE, save_seed
-
     drafter = trained_drafter
     if seeded:
-        drafter = tmp_path / "drafter"
-        drafter.mkdir()
-        for f in trained_drafter.iterdir():
-            if f.name != SEED_FILE:  # save_seed would write through a link to the shipped one
-                (drafter / f.name).symlink_to(f)
-        save_seed(drafter / SEED_FILE, reference_fp32["token_ids"][:len(prompts) // 2])
+        drafter = seeded_drafter(trained_drafter, tmp_path / "drafter",
+                                 reference_fp32["token_ids"][:len(prompts) // 2])
     out = generate(smollm2, prompts, tmp_path, "carryover-lookup", drafter,
                    suffix_lookup=True, lookup_drafter_k=1,
                    num_speculative_tokens_per_batch_size="goodput")
@@ -267,16 +261,8 @@ def seeded_slot_drafter(shipped_drafters: Path, tmp_path: Path, reference: dict,
                         num_prompts: int) -> Path:
     """The shipped slot-proposal drafter (its files linked) with its answer tree seeded
     from the target's answers to the first half of the prompts."""
-    from vllm_carryover.lookups.suffix import SEED_FILE, save_seed
-
-    shipped = shipped_drafters / "slot-proposals"
-    drafter = tmp_path / "drafter"
-    drafter.mkdir()
-    for f in shipped.iterdir():
-        if f.name != SEED_FILE:
-            (drafter / f.name).symlink_to(f)
-    save_seed(drafter / SEED_FILE, reference["token_ids"][:num_prompts // 2])
-    return drafter
+    return seeded_drafter(shipped_drafters / "slot-proposals", tmp_path / "drafter",
+                          reference["token_ids"][:num_prompts // 2])
 
 
 def assert_rejected_states_carried(spec: dict, co: dict) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from support.checkpoint_layouts import seeded_drafter
 from support.cpu_kernels import register_cpu_kernels
 from support.engine_runner import run_engine
 from support.tiny_models import make_tiny_target
@@ -34,7 +35,6 @@ from support.tiny_models import make_tiny_target
 from vllm_carryover.drafter.checkpoint import load_drafter_state, save_drafter
 from vllm_carryover.drafter.init_drafter import init_drafter
 from vllm_carryover.drafter.markov_head import MARKOV_W1, MARKOV_W2
-from vllm_carryover.lookups.suffix import SEED_FILE, save_seed
 
 K = 3
 VOCAB = 64
@@ -227,11 +227,7 @@ def with_seed_everywhere(drafter: Path, samples: np.ndarray, out: Path) -> Path:
     least a text's last token always matches. With no floor on a draft token's
     probability every step then drafts lookup tokens alone and skips the drafter's
     forward."""
-    out.mkdir()
-    for f in drafter.iterdir():
-        (out / f.name).symlink_to(f)
-    save_seed(out / SEED_FILE, [*samples.tolist(), list(range(VOCAB))])
-    return out
+    return seeded_drafter(drafter, out, [*samples.tolist(), list(range(VOCAB))])
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """A target stub, and other layouts of a drafter checkpoint (sharded, in an HF cache, as
-public DFlash drafters are published)."""
+public DFlash drafters are published, with a suffix seed of its own)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from vllm_carryover.drafter.format import (
     random_state_dict,
     rope_theta_of,
 )
+from vllm_carryover.lookups.suffix import SEED_FILE, save_seed
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -23,6 +24,17 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TARGET_STUB = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
                "max_position_embeddings": 8192, "rope_theta": 100000.0}
+
+
+def seeded_drafter(drafter: Path, out: Path, answers: list) -> Path:
+    """`out`: the drafter's files linked, beside a suffix seed of `answers` written there
+    (never through a link: that would replace a shipped drafter's own seed)."""
+    out.mkdir()
+    for f in drafter.iterdir():
+        if f.name != SEED_FILE:
+            (out / f.name).symlink_to(f)
+    save_seed(out / SEED_FILE, answers)
+    return out
 
 
 def shard_drafter(folder: Path, parts: int = 2) -> list[str]:
